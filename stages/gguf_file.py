@@ -1,0 +1,88 @@
+"""Memory-mapped GGUF access built on gguf-py's reader.
+
+Only metadata is parsed eagerly; tensor bytes stay in the mmap until a stage asks
+for a tensor by name, so a pipeline stage touches only its own layers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ModelFormatError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def metadata_dict(reader) -> dict[str, Any]:
+    """GGUF key/value metadata as plain Python values (str, int, float, bool, lists)."""
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, np.generic):
+            value = value.item()
+        out[name] = value
+    return out
+
+
+class GGUFFile:
+    def __init__(self, path: str):
+        import gguf
+
+        if not os.path.isfile(path):
+            raise ModelFormatError(f"{path}: no such file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ModelFormatError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        try:
+            self.reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # gguf-py raises assorted errors on damaged files
+            raise ModelFormatError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
+        self.path = path
+        self.metadata = metadata_dict(self.reader)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self._check_bounds()
+
+    def _check_bounds(self):
+        size = os.path.getsize(self.path)
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelFormatError(f"{self.path}: truncated GGUF file (tensor {t.name} runs past the end)")
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFormatError(f"{self.path}: GGUF has no general.architecture")
+        return arch
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def ggml_shape(self, name: str) -> tuple[int, ...]:
+        """Shape in ggml order (fastest dimension first), as llama.cpp reports it."""
+        return tuple(int(x) for x in self.tensors[name].shape)
+
+    def raw(self, name: str):
+        """The tensor as gguf-py maps it (numpy view on the file), plus its ggml type."""
+        if name not in self.tensors:
+            raise ModelFormatError(f"{self.path}: missing tensor {name}")
+        t = self.tensors[name]
+        return t.data, t.tensor_type
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Dequantised float32 tensor in torch order (slowest dimension first)."""
+        from kernels.dequant import dequantize
+
+        data, qtype = self.raw(name)
+        shape = tuple(reversed(self.ggml_shape(name)))
+        try:
+            out = dequantize(data, qtype)
+        except NotImplementedError as e:
+            raise ModelFormatError(f"{self.path}: tensor {name}: {e}") from None
+        return out.reshape(shape)
