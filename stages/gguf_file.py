@@ -75,7 +75,7 @@ class GGUFFile:
         t = self.tensors[name]
         return t.data, t.tensor_type
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor:
         """Dequantised float32 tensor in torch order (slowest dimension first)."""
         from kernels.dequant import dequantize
 

@@ -1,0 +1,35 @@
+# make run: set up .venv and generate with the embedded default model.
+# make test: set up .venv (with test extras) and run the whole suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup setup-test run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+run: setup
+	mkdir -p out
+	$(PY) -m deploy.generate --model tiny-qwen35moe --input examples/prompts.jsonl --output out/generations.jsonl \
+		--max-tokens 24 --temperature 0
+	$(PY) -c "import json; [print(json.dumps({k: r.get(k) for k in ('id', 'text', 'finish_reason', 'error')}, ensure_ascii=False)) for r in map(json.loads, open('out/generations.jsonl'))]"
+
+test: setup-test
+	$(PY) -m pytest
+
+bench: setup-test
+	$(PY) -m deploy.bench
+
+clean:
+	rm -rf $(VENV) out

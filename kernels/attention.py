@@ -1,0 +1,36 @@
+"""Causal grouped-query attention of one sequence's new tokens over its KV cache.
+
+Positions are explicit so that the same code serves full caches, sliding windows and
+ring buffers. Optional per-head sinks add one unscaled logit column that takes part in
+the softmax and is then dropped (gpt-oss).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D], q_pos [Tq], k_pos [Tk] -> [Tq, Hq, D].
+
+    Query head h reads KV head h // (Hq / Hkv). A key is visible when k_pos <= q_pos and,
+    with a window, k_pos > q_pos - window.
+    """
+    tq, hq, d = q.shape
+    tk, hkv, dv = v.shape
+    group = hq // hkv
+    # [Hkv, group*Tq, D] @ [Hkv, D, Tk]: GQA without materialising repeated keys.
+    qg = q.reshape(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale
+    scores = scores.view(hkv, group, tq, tk)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(hkv, group, 1, 1).expand(hkv, group, tq, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :tk]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(v.dtype).view(hkv, group * tq, tk), v.permute(1, 0, 2))
+    return out.view(hkv, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, hq, dv)

@@ -1,0 +1,83 @@
+"""Gated DeltaNet numerics: the causal depthwise conv and the gated delta rule.
+
+Per V-head state S [dk, dv] (float32), per token:
+    S <- exp(g) * S;  S <- S + k (x) ((v - S^T k) * beta);  y = S^T q / sqrt(dk)
+`delta_rule_recurrent` runs it token by token (decode); `delta_rule_chunked` computes the
+same thing 64 tokens at a time with the WY / triangular-solve form (prefill).
+Inputs q/k must already be L2-normalised and expanded to one head per V head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [T, C], weight [C, K], state [K-1, C] (the previous inputs).
+
+    Returns (y [T, C], new_state [K-1, C]).
+    """
+    kernel = weight.shape[1]
+    full = torch.cat((state.to(x.dtype), x), dim=0)                 # [T+K-1, C]
+    windows = full.unfold(0, kernel, 1)                               # [T, C, K]
+    y = (windows * weight.to(x.dtype)).sum(-1)
+    return F.silu(y), full[full.shape[0] - (kernel - 1):].clone()
+
+
+def delta_rule_step(q, k, v, g, beta, state):
+    """One token for a batch of heads: q/k [..., dk], v [..., dv], g/beta [...], state [..., dk, dv] (updated in place)."""
+    state.mul_(g.exp()[..., None, None])
+    kv_mem = torch.einsum("...k,...kv->...v", k, state)
+    delta = (v - kv_mem) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("...k,...kv->...v", q, state)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """q/k [T, H, dk], v [T, H, dv], g/beta [T, H], state [H, dk, dv] -> (y [T, H, dv], state)."""
+    dk = q.shape[-1]
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q = q * dk ** -0.5
+    state = state.float().clone()
+    out = torch.empty(v.shape, dtype=torch.float32)
+    for t in range(q.shape[0]):
+        out[t] = delta_rule_step(q[t], k[t], v[t], g[t], beta[t], state)
+    return out, state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """Same contract as `delta_rule_recurrent`, computed chunk by chunk (WY representation)."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    # -> [H, n_chunks, chunk, *] in float32; zero padding leaves the state untouched (beta = 0, g = 0).
+    def prep(t, width):
+        t = t.float().transpose(0, 1)
+        t = F.pad(t, (0, 0, 0, pad)) if width else F.pad(t, (0, pad))
+        return t.reshape(H, -1, chunk, width) if width else t.reshape(H, -1, chunk)
+    q, k, v = prep(q * dk ** -0.5, dk), prep(k, dk), prep(v, dv)
+    g, beta = prep(g, 0), prep(beta, 0)
+    n_chunks = q.shape[1]
+
+    cum = g.cumsum(-1)                                                # log decay from chunk start
+    future = torch.ones(chunk, chunk, dtype=torch.bool).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # Lower unit-triangular system (I + strictly_lower(beta k k^T decay)) solved once per chunk.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    lower = torch.tril(system, -1) + torch.eye(chunk)
+    u = torch.linalg.solve_triangular(lower, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(lower, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay                          # causal in-chunk attention
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    S = state.float().clone()
+    out = torch.empty(H, n_chunks, chunk, dv)
+    for c in range(n_chunks):
+        v_new = u[:, c] - w[:, c] @ S
+        out[:, c] = q_dec[:, c] @ S + intra[:, c] @ v_new
+        S = S * chunk_decay[:, c] + k_dec[:, c].transpose(-1, -2) @ v_new
+    out = out.reshape(H, -1, dv)[:, :T].transpose(0, 1)
+    return out, S

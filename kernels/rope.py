@@ -1,0 +1,57 @@
+"""Rotary position embeddings: NeoX rotate-half pairing on a leading slice of each head.
+
+The multi-section form (Qwen's interleaved M-RoPE) assigns each frequency to one of
+the position components (time, height, width); with text-only positions all
+components are equal and it reduces to plain partial RoPE.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def inv_frequencies(base: float, rotary_dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def section_ids(sections: list[int], n_freq: int, interleaved: bool = True) -> torch.Tensor:
+    """Which position component (0=t, 1=h, 2=w) drives each frequency.
+
+    Interleaved: frequency j belongs to h when j % 3 == 1 and j < 3*sections[1], to w when
+    j % 3 == 2 and j < 3*sections[2], else to t. Contiguous: sections are consecutive runs.
+    """
+    ids = torch.zeros(n_freq, dtype=torch.long)
+    if interleaved:
+        j = torch.arange(n_freq)
+        for comp in (1, 2):
+            if comp < len(sections):
+                ids[(j % 3 == comp) & (j < 3 * sections[comp])] = comp
+    else:
+        start = 0
+        for comp, n in enumerate(sections[:3]):
+            ids[start:start + n] = comp
+            start += n
+    return ids
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scale: float = 1.0,
+                 sections: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [T, rotary_dim] for positions [T] (text) or [3, T] (multi-section)."""
+    if positions.dim() == 1:
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+    else:
+        assert sections is not None, "multi-component positions need section ids"
+        per_freq_pos = positions.float()[sections]          # [n_freq, T]
+        freqs = per_freq_pos.T * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_scale, emb.sin() * attention_scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of every head of x [T, H, D]; the rest pass through."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,38 @@
+"""One forward step's batch: chunks of several sequences laid end to end in one flat tensor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    seq_ids: list[int]
+    start_pos: list[int]          # absolute position of each chunk's first token
+    lengths: list[int]            # tokens of each chunk (1 for a decode step)
+    token_ids: torch.Tensor | None = None   # [T] flat token ids, needed by the first stage
+    logit_rows: list[int] = field(default_factory=list)   # flat rows whose logits the last stage returns
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def segments(self):
+        """(seq_id, slice of flat rows, start position) for each chunk."""
+        row = 0
+        for sid, start, n in zip(self.seq_ids, self.start_pos, self.lengths):
+            yield sid, slice(row, row + n), start
+            row += n
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + n) for s, n in zip(self.start_pos, self.lengths)])
+
+
+@dataclass
+class StepContext:
+    """What every layer of a stage sees for one step: the batch, positions, and per-sequence caches."""
+    batch: StepBatch
+    positions: torch.Tensor
+    caches: dict                   # seq_id -> {layer index: cache}
+    memo: dict = field(default_factory=dict)   # per-step values shared by layers (e.g. RoPE tables)

@@ -1,0 +1,61 @@
+"""Per-sequence caches: KV for attention layers, conv + recurrent state for DeltaNet layers."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys/values of one sequence for one attention layer, with their absolute positions.
+
+    Storage grows by doubling. With a window, only the last `window` positions are kept
+    after each step, so memory stays bounded however long the sequence gets.
+    """
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.k = self.v = self.pos = None
+        self.length = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        """Append k/v [n, H, D] at positions pos [n]; returns all keys, values and positions held."""
+        n = k.shape[0]
+        if self.k is None:
+            cap = max(n, 16)
+            self.k = k.new_empty((cap,) + k.shape[1:])
+            self.v = v.new_empty((cap,) + v.shape[1:])
+            self.pos = torch.empty(cap, dtype=torch.long)
+        elif self.length + n > self.k.shape[0]:
+            cap = max(self.length + n, 2 * self.k.shape[0])
+            self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
+        end = self.length + n
+        self.k[self.length:end], self.v[self.length:end], self.pos[self.length:end] = k, v, pos
+        self.length = end
+        return self.k[:end], self.v[:end], self.pos[:end]
+
+    def _grow(self, t: torch.Tensor, cap: int) -> torch.Tensor:
+        out = t.new_empty((cap,) + t.shape[1:])
+        out[:self.length] = t[:self.length]
+        return out
+
+    def trim(self):
+        """Drop positions no future query can see (sliding-window layers only)."""
+        if self.window is None or self.length <= self.window:
+            return
+        keep = slice(self.length - self.window, self.length)
+        for t in (self.k, self.v, self.pos):
+            t[:self.window] = t[keep].clone()
+        self.length = self.window
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
+
+
+class DeltaNetCache:
+    """Conv inputs of the last K-1 tokens and the float32 recurrent state [H_v, dk, dv]."""
+
+    def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype):
+        self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype)
+        self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.state))

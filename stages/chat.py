@@ -1,0 +1,136 @@
+"""Chat templates: render a model's Jinja2 template the way transformers' apply_chat_template does.
+
+Templates ship inside model files, so they are untrusted: they run in Jinja's immutable sandbox,
+with the same helpers transformers provides (and the same guards on `dict` and `namespace`).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import RequestError
+
+
+class _TemplateError(Exception):
+    """Raised by `raise_exception` inside a template; its message goes to the user as is."""
+
+
+def _raise_exception(message):
+    raise _TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    # `dict` without the type object behind it, so templates cannot reach class internals.
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # Underscore names could overwrite the namespace's own (name-mangled) storage.
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(template)
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def validate_messages(messages) -> list[dict]:
+    """The messages as fresh dicts without None values (as transformers passes them), or RequestError."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise RequestError(f"messages[{i}].{key} must be a string")
+        message = {key: value for key, value in message.items() if value is not None}
+        # Reasoning arrives under several names; Qwen templates read `reasoning_content`, gpt-oss
+        # templates `thinking`. transformers fills both, so do we.
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    """The prompt text for `messages`. `extra` becomes template variables (e.g. bos_token, enable_thinking)."""
+    if not isinstance(template, str):
+        raise RequestError("the model has no chat template")
+    messages = validate_messages(messages)
+    try:
+        compiled = _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"chat template syntax error (line {e.lineno}): {_one_line(e.message)}") from None
+    try:
+        return compiled.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra
+        )
+    except _TemplateError as e:
+        raise RequestError(f"chat template: {_one_line(e)}") from None
+    except Exception as e:  # anything an untrusted template does wrong is the request's problem, not ours
+        raise RequestError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None

@@ -1,0 +1,43 @@
+"""Turn one request (a JSONL line or an API body) into prompt token ids and sampling parameters."""
+from __future__ import annotations
+
+from .chat import render_chat
+from .errors import RequestError
+from .sampling import SamplingParams
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+
+
+def prompt_ids(request: dict, tokenizer) -> list[int]:
+    """Exactly one of `prompt` (text), `prompt_token_ids` or `messages` (chat template applied)."""
+    given = [k for k in PROMPT_KEYS if k in request]
+    if len(given) != 1:
+        raise RequestError(f"a request needs exactly one of {', '.join(PROMPT_KEYS)} (got {given or 'none'})")
+    key = given[0]
+    value = request[key]
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise RequestError("prompt must be a string")
+        return tokenizer.encode(value)
+    if key == "prompt_token_ids":
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise RequestError("prompt_token_ids must be a list of integers")
+        return list(value)
+    if tokenizer.chat_template is None:
+        raise RequestError("this model has no chat template; send prompt or prompt_token_ids instead of messages")
+    return tokenizer.encode(render_chat(tokenizer.chat_template, value, add_generation_prompt=True))
+
+
+def check_prompt(ids: list[int], vocab_size: int, context_length: int):
+    if not ids:
+        raise RequestError("the prompt is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(ids) >= context_length:
+        raise RequestError(f"prompt has {len(ids)} tokens; the model's context is {context_length} "
+                           f"(at most {context_length - 1} prompt tokens)")
+
+
+def sampling_params(request: dict, defaults: SamplingParams) -> SamplingParams:
+    return SamplingParams.from_dict(request, defaults)

@@ -1,0 +1,99 @@
+"""Sampling parameters, their validation, and per-sequence samplers.
+
+Each sequence has its own torch.Generator, so a seeded request draws the same tokens
+whatever else shares its batch. Logprobs are the log-softmax of the raw logits (before
+temperature, top-k or top-p).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .errors import RequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 or -1: no top-k
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None) -> "SamplingParams":
+        """Defaults overridden by the known keys of `values`; every value is checked."""
+        base = {f.name: getattr(defaults or cls(), f.name) for f in fields(cls)}
+        for name in base:
+            if name in values and values[name] is not None:
+                base[name] = values[name]
+        params = cls(**base)
+        params.validate()
+        return params
+
+    def validate(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
+            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
+            raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+
+
+def logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> dict:
+    """{"token_id", "logprob", "top": [[id, logprob], ...]} with the k best alternatives."""
+    top = []
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        top = [[int(i), float(v)] for i, v in zip(ids, values)]
+    return {"token_id": int(token), "logprob": float(logprobs[token]), "top": top}
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """One token from a float32 logits row [V]."""
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        scaled = logits / p.temperature
+        if p.top_k > 0 and p.top_k < scaled.shape[0]:
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,79 @@
+"""One request's life: its tokens, how far the caches have got, what it has produced."""
+from __future__ import annotations
+
+import torch
+
+from .sampling import Sampler, SamplingParams, logprob_entry
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer, eos_ids: set[int], context_length: int):
+        self.seq_id, self.request_id = seq_id, request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.sampler = Sampler(params)
+        self.tokenizer, self.eos_ids, self.context_length = tokenizer, eos_ids, context_length
+        self.output_ids: list[int] = []
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.n_cached = 0                # tokens whose effect is in every stage's cache
+        self.finish_reason: str | None = None
+        self.text = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_cached < len(self.prompt_ids)
+
+    def next_chunk(self, limit: int) -> tuple[int, int]:
+        """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
+        return self.n_cached, min(limit, len(self.tokens) - self.n_cached)
+
+    def wants_all_rows(self) -> bool:
+        return self.prompt_logprobs is not None and self.prefilling
+
+    def record_prompt_logprobs(self, start: int, logprobs: torch.Tensor):
+        """logprobs[r] is the model's prediction after token start + r, i.e. of prompt token start + r + 1."""
+        k = self.params.prompt_logprobs
+        for r in range(logprobs.shape[0]):
+            target = start + r + 1
+            if target < len(self.prompt_ids):
+                self.prompt_logprobs.append(logprob_entry(logprobs[r], self.prompt_ids[target], k))
+
+    def append_token(self, logits: torch.Tensor):
+        token = self.sampler.sample(logits)
+        self.output_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob_entry(torch.log_softmax(logits, -1), token, self.params.logprobs))
+        self._update_text_and_finish(token)
+
+    def _update_text_and_finish(self, token: int):
+        ids = self.output_ids[:-1] if token in self.eos_ids else self.output_ids
+        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return
+        for stop in self.params.stop:
+            at = self.text.find(stop)
+            if at >= 0:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+                return
+        if len(self.output_ids) >= self.params.max_tokens or len(self.tokens) >= self.context_length:
+            self.finish_reason = "length"
+
+    def result(self) -> dict:
+        return {
+            "id": self.request_id,
+            "prompt_token_ids": self.prompt_ids,
+            "token_ids": self.output_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids)},
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+        }

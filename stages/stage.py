@@ -1,0 +1,65 @@
+"""A pipeline stage: a contiguous range of layers plus, on the ends, the embedding and the LM head.
+
+The stage owns the caches of every sequence that passes through it, keyed by sequence id.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.norms import rms_norm
+
+from .batch import StepBatch, StepContext
+from .loader import ModelFiles
+
+
+class Stage:
+    def __init__(self, model: ModelFiles, layers: range, dtype: torch.dtype = torch.float32):
+        self.config = model.config
+        self.layers_range = layers
+        self.first = layers.start == 0
+        self.last = layers.stop == model.n_layers
+        self.dtype = dtype
+        shapes = model.expected_shapes(layers, self.first, self.last)
+
+        self.weight_bytes = 0
+
+        def w(name, as_dtype=None):
+            t = model.weight(name, shapes[name], as_dtype or dtype)
+            self.weight_bytes += t.numel() * t.element_size()
+            return t
+
+        self.embed = w("token_embd.weight") if "token_embd.weight" in shapes else None
+        self.layers = [model.arch.Layer(model.config, w, i) for i in layers]
+        if self.last:
+            self.norm = w("output_norm.weight")
+            self.head = w("output.weight") if "output.weight" in shapes else self.embed
+        self.caches: dict[int, dict] = {}
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
+        return self.weight_bytes
+
+    def _caches_for(self, seq_id: int) -> dict:
+        if seq_id not in self.caches:
+            self.caches[seq_id] = {layer.index: layer.new_cache() for layer in self.layers}
+        return self.caches[seq_id]
+
+    def release(self, seq_id: int):
+        self.caches.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage takes batch.token_ids, later stages the previous stage's hidden states.
+
+        Returns hidden states [T, H], or on the last stage float32 logits for batch.logit_rows.
+        """
+        x = F.embedding(batch.token_ids, self.embed) if self.first else hidden.to(self.dtype)
+        ctx = StepContext(batch=batch, positions=batch.positions(),
+                          caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
+        for layer in self.layers:
+            x = layer(x, ctx)
+        if not self.last:
+            return x
+        x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
+        return F.linear(x, self.head).float()

@@ -1,0 +1,16 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Embedded default models are built into a per-run cache, never the user's."""
+    os.environ["RAYMOE_CACHE"] = str(tmp_path_factory.mktemp("raymoe-cache"))
+    import deploy.make_tiny as make_tiny
+    make_tiny.CACHE_DIR = os.environ["RAYMOE_CACHE"]
