@@ -1,0 +1,94 @@
+"""deploy.generate end to end on the embedded default model: the JSONL contract of DESIGN §2."""
+import json
+import math
+import os
+
+from deploy import generate
+
+FIELDS = {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs"}
+
+
+def run(tmp_path, requests, *flags, name="out"):
+    src, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(out), *flags]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_output_contract(tmp_path, capsys):
+    reqs = [{"id": "a", "prompt": "Hello world", "max_tokens": 5, "logprobs": 3, "prompt_logprobs": 2},
+            {"id": 7, "prompt_token_ids": [3, 4, 5], "max_tokens": 2},
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}]
+    out = run(tmp_path, reqs, "--temperature", "0")
+    assert [r["id"] for r in out] == ["a", 7, 2]
+    for r in out:
+        assert set(r) == FIELDS
+        assert r["usage"] == {"prompt_tokens": len(r["prompt_token_ids"]), "completion_tokens": len(r["token_ids"])}
+        assert r["finish_reason"] in ("stop", "length")
+    a = out[0]
+    assert len(a["token_ids"]) == 5 and a["finish_reason"] == "length"
+    assert len(a["logprobs"]) == 5
+    for tok, entry in zip(a["token_ids"], a["logprobs"]):
+        assert entry["token_id"] == tok and len(entry["top"]) == 3
+        lps = [lp for _, lp in entry["top"]]
+        assert lps == sorted(lps, reverse=True) and entry["logprob"] == lps[0]   # greedy takes the best
+        assert all(lp <= 0 for lp in lps)
+    assert a["prompt_logprobs"][0] is None and len(a["prompt_logprobs"]) == len(a["prompt_token_ids"])
+    for i, entry in enumerate(a["prompt_logprobs"][1:], start=1):
+        assert entry["token_id"] == a["prompt_token_ids"][i] and len(entry["top"]) == 2
+    assert out[1]["logprobs"] is None and out[1]["prompt_logprobs"] is None
+    # the chat request went through the template: ChatML with the assistant turn opened by <think>
+    from stages.loader import open_model
+    tok = open_model("tiny-qwen35moe").tokenizer
+    assert tok.decode(out[2]["prompt_token_ids"]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    err = capsys.readouterr().err
+    assert "3 requests (0 failed)" in err and "tok/s" in err
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(tmp_path):
+    target = {"id": "t", "prompt": "Once upon a time", "temperature": 1.0, "seed": 1234, "max_tokens": 12}
+    alone = run(tmp_path, [target], name="alone")[0]
+    crowd = [{"id": i, "prompt": "noise " * (i + 1), "temperature": 0.9, "max_tokens": 6 + i} for i in range(5)]
+    mixed = run(tmp_path, crowd[:2] + [target] + crowd[2:], name="mixed")[2]
+    assert mixed["token_ids"] == alone["token_ids"]
+    other_seed = run(tmp_path, [{**target, "seed": 99}], name="other")[0]
+    assert other_seed["token_ids"] != alone["token_ids"]
+
+
+def test_sampling_controls(tmp_path):
+    base = {"prompt": "The numbers", "max_tokens": 8, "logprobs": 5}
+    greedy = run(tmp_path, [{**base, "temperature": 0}], name="greedy")[0]
+    top1 = run(tmp_path, [{**base, "temperature": 1.5, "top_k": 1, "seed": 3}], name="topk")[0]
+    assert top1["token_ids"] == greedy["token_ids"]      # top_k 1 is greedy whatever the temperature
+    tiny_p = run(tmp_path, [{**base, "temperature": 1.5, "top_p": 1e-6, "seed": 4}], name="topp")[0]
+    assert tiny_p["token_ids"] == greedy["token_ids"]    # top_p -> only the most likely token survives
+    hot = run(tmp_path, [{**base, "temperature": 1.0, "seed": 5}], name="hot")[0]
+    for entry in hot["logprobs"]:                        # logprobs are of the raw logits: a distribution
+        assert sum(math.exp(lp) for _, lp in entry["top"]) <= 1.0 + 1e-6
+        assert entry["logprob"] in [lp for _, lp in entry["top"]] or entry["logprob"] <= entry["top"][-1][1]
+
+
+def test_stop_strings(tmp_path):
+    first = run(tmp_path, [{"prompt": "Hello", "max_tokens": 16, "temperature": 0}], name="free")[0]
+    text = first["text"]
+    stop = text[3:5]
+    assert stop and stop in text
+    stopped = run(tmp_path, [{"prompt": "Hello", "max_tokens": 16, "temperature": 0, "stop": [stop]}], name="stop")[0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == text[:text.find(stop)]
+    assert stopped["token_ids"] == first["token_ids"][:len(stopped["token_ids"])]
+
+
+def test_hf_dir_and_gguf_agree(tmp_path):
+    from stages.loader import open_model
+    gguf_path = open_model("tiny-qwen35moe").path
+    hf_dir = os.path.join(os.path.dirname(gguf_path), "hf")
+    reqs = [{"prompt": "Pipelines", "max_tokens": 10, "temperature": 0, "logprobs": 1}]
+    a = run(tmp_path, reqs, name="gguf")[0]
+    src, out = tmp_path / "hf.in.jsonl", tmp_path / "hf.jsonl"
+    src.write_text(json.dumps(reqs[0]) + "\n")
+    assert generate.main(["--model", hf_dir, "--input", str(src), "--output", str(out)]) == 0
+    b = json.loads(out.read_text())
+    assert a["token_ids"] == b["token_ids"]
+    for x, y in zip(a["logprobs"], b["logprobs"]):
+        assert abs(x["logprob"] - y["logprob"]) < 1e-5
