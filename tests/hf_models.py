@@ -38,3 +38,96 @@ def make_qwen35moe(out_dir: str, seed: int = 0, **overrides):
     randomise(model, seed)
     model.save_pretrained(out_dir)
     return model
+
+
+# gpt-oss: every feature the released checkpoints use, at a size that runs in seconds. The window (8) is
+# shorter than the test prompts; a small rope_theta puts YaRN's ramp over several frequencies, so that
+# `truncate` changes some of them.
+GPTOSS_CONFIG = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=True,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+)
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def random_mxfp4(g: torch.Generator, experts: int, rows: int, cols: int, exponents=(121, 125)):
+    """Random MXFP4 weights in the released checkpoint's layout: blocks [E, rows, cols/32, 16] u8 (low nibble =
+    even element), scales [E, rows, cols/32] u8 (e8m0, 127 = 2^0)."""
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(*exponents, (experts, rows, cols // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return blocks, scales
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`LUT[code] * 2^(scale - 127)`, [E, rows, cols] (the formula of DESIGN §5)."""
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()        # [E, R, G, 16, 2]: even, odd
+    values = lut[codes].reshape(*blocks.shape[:-1], 32)
+    values = values * torch.pow(2.0, scales.float() - 127)[..., None]
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def make_gptoss(out_dir: str, seed: int = 0, mxfp4: bool = True, **overrides):
+    """Write an HF gpt-oss checkpoint (experts as MXFP4 `*_blocks`/`*_scales` like the released one, or plain
+    float) and return transformers' model loaded from it in float32, dequantised (the oracle)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+
+    cfg = GptOssConfig(**{**GPTOSS_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    H, E, I = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+    tensors = {}
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("router.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 4 / H ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5)
+        for name, p in model.state_dict().items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                rows, cols = (2 * I, H) if name.endswith("gate_up_proj") else (H, I)
+                blocks, scales = random_mxfp4(g, E, rows, cols)
+                weight = mxfp4_to_float(blocks, scales).transpose(1, 2).contiguous()   # HF [E, in, out]
+                p.copy_(weight)
+                if mxfp4:
+                    tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+                    continue
+            tensors[name] = p.detach().clone().contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out_dir)
+    if mxfp4:
+        path = os.path.join(out_dir, "config.json")
+        config = json.load(open(path))
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                       "lm_head"],
+        }
+        json.dump(config, open(path, "w"), indent=2)
+        oracle = GptOssForCausalLM.from_pretrained(out_dir, quantization_config=Mxfp4Config(dequantize=True),
+                                                   dtype=torch.float32)
+    else:
+        oracle = GptOssForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    oracle = oracle.float().eval()
+    for name, p in model.state_dict().items():     # the oracle holds exactly the weights built here
+        assert torch.equal(oracle.state_dict()[name], p), name
+    return oracle
