@@ -55,3 +55,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     out = rot * cos + rotated * sin
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def yarn_inv_frequencies(base: float, rotary_dim: int, factor: float, original_context: int,
+                         beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
+                         attention_factor: float | None = None) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies and cos/sin scale, computed exactly as transformers' `_compute_yarn_parameters`.
+
+    Frequencies below the correction range are interpolated (divided by `factor`), those above are
+    kept, and a linear ramp blends the two in between. `truncate` rounds the range outwards to whole
+    dimensions (llama.cpp always does; gpt-oss's config says not to). The attention factor, when not
+    given, is `0.1 * ln(factor) + 1`; it multiplies cos and sin.
+    """
+    import math
+
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original_context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001       # as transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)

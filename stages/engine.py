@@ -1,7 +1,12 @@
-"""In-process engine: a scheduler driving a list of stages one after another.
+"""The engine core (sequences, schedulers, what to do with logits) and an in-process engine.
 
-With one stage this is the whole model in one process (`--pp 1`); with several it runs a
-layer split without any transport, which the tests use to check the split itself.
+`EngineCore` does no compute: it hands out batches and consumes logits. Sequences are
+spread over a fixed number of micro-batch groups (by sequence id), each with its own
+scheduler, so what goes into every batch depends only on the requests and never on how
+many pipeline stages run them — that is what makes PP=1/2/4 bit-identical.
+
+`LocalEngine` runs the core with stages in this process: the whole model for one stage,
+or a layer split without any transport, which the tests use to check the split itself.
 """
 from __future__ import annotations
 
@@ -17,46 +22,50 @@ from .sequence import Sequence
 from .stage import Stage
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Even split, earlier stages taking the remainder."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    bounds = [0]
-    for i in range(n_stages):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[range]:
+    """Layer ranges per stage: `split` gives the layer counts, else an even split (earlier stages
+    take the remainder)."""
+    if split is None:
+        if not 1 <= n_stages <= n_layers:
+            raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+        base, extra = divmod(n_layers, n_stages)
+        split = [base + (1 if i < extra else 0) for i in range(n_stages)]
+    if len(split) != n_stages or any(n < 1 for n in split) or sum(split) != n_layers:
+        raise ValueError(f"split {split} does not give {n_stages} stages of >= 1 layer covering {n_layers} layers")
+    bounds = [0, *itertools.accumulate(split)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-class LocalEngine:
-    def __init__(self, model: ModelFiles, n_stages: int = 1, dtype: torch.dtype = torch.float32,
-                 scheduler: Scheduler | None = None):
-        self.model = model
-        self.stages = [Stage(model, r, dtype) for r in split_layers(model.n_layers, n_stages)]
-        self.scheduler = scheduler or Scheduler()
-        self.eos_ids = set(model.tokenizer.eos_token_ids) if model.tokenizer else set()
+class EngineCore:
+    def __init__(self, config, tokenizer, n_groups: int = 1, max_batch_tokens: int = 512, prefill_chunk: int = 256,
+                 max_running: int = 64):
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
+        self.groups = [Scheduler(max_batch_tokens, prefill_chunk, max(1, max_running // n_groups))
+                       for _ in range(n_groups)]
+        self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
 
     def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        cfg = self.model.config
-        check_prompt(prompt_ids, cfg.vocab, cfg.context_length)
-        seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.model.tokenizer, self.eos_ids,
-                       cfg.context_length)
-        self.scheduler.add(seq)
+        check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
+        seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
+                       self.config.context_length)
+        self.sequences[seq.seq_id] = seq
+        self.group_of(seq).add(seq)
         return seq
 
-    def step(self) -> list[Sequence]:
-        """Run one batch through every stage; returns the sequences that finished."""
-        planned = self.scheduler.next_batch()
-        if planned is None:
-            return []
-        batch, plan = planned
-        x = None
-        for stage in self.stages:
-            x = stage.forward(batch, x)
-        return self._consume(x, plan)
+    def group_of(self, seq: Sequence) -> Scheduler:
+        return self.groups[seq.seq_id % len(self.groups)]
 
-    def _consume(self, logits: torch.Tensor, plan) -> list[Sequence]:
+    def has_work(self) -> bool:
+        return any(g.has_work() for g in self.groups)
+
+    def next_batch(self, group: int):
+        return self.groups[group].next_batch()
+
+    def consume(self, logits: torch.Tensor, plan) -> list[Sequence]:
+        """Apply one batch's logits: prompt logprobs, sampling, stop checks. Returns finished sequences
+        (their caches in the stages are the caller's to release)."""
         finished = []
         for c in plan:
             seq = c.seq
@@ -71,14 +80,56 @@ class LocalEngine:
             if at_tip:
                 seq.append_token(last)
             if seq.finish_reason is not None:
+                self.finish(seq)
                 finished.append(seq)
-                self.scheduler.finish(seq)
-                for stage in self.stages:
-                    stage.release(seq.seq_id)
+        return finished
+
+    def finish(self, seq: Sequence, reason: str | None = None):
+        """Remove a sequence (done, or cancelled with `reason`)."""
+        if reason is not None and seq.finish_reason is None:
+            seq.finish_reason = reason
+        self.group_of(seq).drop(seq)
+        self.sequences.pop(seq.seq_id, None)
+
+    def forget_caches(self) -> list[int]:
+        """After a stage lost its state: every live sequence recomputes its caches from its tokens."""
+        for seq in self.sequences.values():
+            seq.n_cached = 0
+        return list(self.sequences)
+
+
+class LocalEngine(EngineCore):
+    def __init__(self, model: ModelFiles, n_stages: int = 1, dtype: torch.dtype = torch.float32,
+                 scheduler: Scheduler | None = None, n_groups: int = 1):
+        super().__init__(model.config, model.tokenizer, n_groups)
+        if scheduler is not None:
+            self.groups = [scheduler]
+        self.model = model
+        self.stages = [Stage(model, r, dtype) for r in split_layers(model.n_layers, n_stages)]
+        self._next_group = 0
+
+    def step(self) -> list[Sequence]:
+        """Run the next non-empty group's batch through every stage; returns the sequences that finished."""
+        for _ in range(len(self.groups)):
+            group = self._next_group
+            self._next_group = (self._next_group + 1) % len(self.groups)
+            planned = self.next_batch(group)
+            if planned is not None:
+                break
+        else:
+            return []
+        batch, plan = planned
+        x = None
+        for stage in self.stages:
+            x = stage.forward(batch, x)
+        finished = self.consume(x, plan)
+        for seq in finished:
+            for stage in self.stages:
+                stage.release(seq.seq_id)
         return finished
 
     def run_until_done(self, on_finish=None):
-        while self.scheduler.has_work():
+        while self.has_work():
             for seq in self.step():
                 if on_finish:
                     on_finish(seq)

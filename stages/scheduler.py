@@ -63,5 +63,8 @@ class Scheduler:
                           lengths=[n for _, _, n in chosen], token_ids=tokens, logit_rows=logit_rows)
         return batch, plan
 
-    def finish(self, seq: Sequence):
-        self.running.remove(seq)
+    def drop(self, seq: Sequence):
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -27,21 +27,23 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.n_cached < len(self.prompt_ids)
+        """More than one token to run: the prompt, or everything again after a stage lost its caches."""
+        return self.n_cached < len(self.tokens) - 1
 
     def next_chunk(self, limit: int) -> tuple[int, int]:
         """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
         return self.n_cached, min(limit, len(self.tokens) - self.n_cached)
 
     def wants_all_rows(self) -> bool:
-        return self.prompt_logprobs is not None and self.prefilling
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     def record_prompt_logprobs(self, start: int, logprobs: torch.Tensor):
-        """logprobs[r] is the model's prediction after token start + r, i.e. of prompt token start + r + 1."""
+        """logprobs[r] is the model's prediction after token start + r, i.e. of prompt token start + r + 1.
+        Entries already recorded (before a recompute) are kept."""
         k = self.params.prompt_logprobs
         for r in range(logprobs.shape[0]):
             target = start + r + 1
-            if target < len(self.prompt_ids):
+            if target == len(self.prompt_logprobs) and target < len(self.prompt_ids):
                 self.prompt_logprobs.append(logprob_entry(logprobs[r], self.prompt_ids[target], k))
 
     def append_token(self, logits: torch.Tensor):

@@ -48,7 +48,7 @@ GPTOSS_CONFIG = dict(
     head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=True,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                      "truncate": False, "original_max_position_embeddings": 4096},
 )
 
