@@ -25,8 +25,13 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe")
     p.add_argument("--input", required=True, help="JSONL requests")
     p.add_argument("--output", required=True, help="JSONL results (one line per input line, same order)")
-    p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages")
+    p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
+    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"],
+                   help="how activations move between stages")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 3,5 (default: even)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / actors)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="float32 is exact; bfloat16 is faster and approximate")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -70,50 +75,35 @@ def main(argv=None) -> int:
         return 2
 
 
+def parse_split(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise RaymoeError(f"--split must be comma-separated layer counts, got {text!r}") from None
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
-    from stages.engine import LocalEngine
-    from stages.loader import open_model
-    from stages.requests import prompt_ids, sampling_params
+    from cluster.engine import ClusterEngine
 
-    if args.device != "cpu":
-        raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
-    if args.pp != 1 or args.ep:
-        raise RaymoeError("--pp > 1 and --ep need the Ray cluster, which this build does not have yet; use --pp 1")
-    defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
-                              prompt_logprobs=args.prompt_logprobs)
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     try:
-        defaults.validate()
+        SamplingParams(**defaults).validate()
     except RequestError as e:
         raise RaymoeError(f"bad sampling flag: {e}") from None
     requests = read_requests(args.input)
-    model = open_model(args.model)
-    engine = LocalEngine(model, dtype=DTYPES[args.dtype])
-
-    results: list[dict | None] = [None] * len(requests)
-    index_of = {}
-    for i, (rid, request, error) in enumerate(requests):
-        if error is None:
-            try:
-                seq = engine.add_request(rid, prompt_ids(request, model.tokenizer), sampling_params(request, defaults))
-                index_of[seq.seq_id] = i
-                continue
-            except RequestError as e:
-                error = str(e)
-        results[i] = {"id": rid, "error": error}
-
-    start = time.perf_counter()
-    bar = tqdm(total=len(index_of), desc="generating", unit="req", file=sys.stderr, disable=None)
-
-    def on_finish(seq):
-        results[index_of[seq.seq_id]] = seq.result()
-        bar.update(1)
-
-    engine.run_until_done(on_finish)
-    bar.close()
-    elapsed = time.perf_counter() - start
+    engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
+                           threads=args.threads, split=parse_split(args.split), microbatches=args.microbatches,
+                           device=args.device)
+    try:
+        results, elapsed = generate_all(engine, requests, defaults, tqdm)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
 
     with open(args.output, "w", encoding="utf-8") as f:
         for r in results:
@@ -121,10 +111,38 @@ def run(args) -> int:
     done = [r for r in results if "error" not in r]
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in done)
     gen_tokens = sum(r["usage"]["completion_tokens"] for r in done)
+    ttft = sorted(stats["first_token_s"])
+    ttft_text = f", TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms" if ttft else ""
     print(f"{len(results)} requests ({len(results) - len(done)} failed), {prompt_tokens} prompt + {gen_tokens} "
           f"generated tokens in {elapsed:.2f} s: {(prompt_tokens + gen_tokens) / max(elapsed, 1e-9):.1f} tok/s "
-          f"({gen_tokens / max(elapsed, 1e-9):.1f} generated tok/s)", file=sys.stderr)
+          f"({gen_tokens / max(elapsed, 1e-9):.1f} generated tok/s){ttft_text}; pp={args.pp} ep={args.ep} "
+          f"transport={args.transport}", file=sys.stderr)
     return 0
+
+
+def generate_all(engine, requests, defaults, tqdm) -> tuple[list[dict], float]:
+    """Submit every good line, collect results as they finish; bad lines get their error in place."""
+    results: list[dict | None] = [None] * len(requests)
+    good = [(i, rid, req) for i, (rid, req, err) in enumerate(requests) if err is None]
+    for i, (rid, _, err) in enumerate(requests):
+        if err is not None:
+            results[i] = {"id": rid, "error": err}
+    start = time.perf_counter()
+    submitted = engine.submit_many([(rid, req) for _, rid, req in good], defaults)
+    index_of = {}
+    for (i, rid, _), outcome in zip(good, submitted):
+        if isinstance(outcome, dict):
+            results[i] = {"id": rid, "error": outcome["error"]}
+        else:
+            index_of[outcome] = i
+    with tqdm(total=len(index_of), desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+        remaining = len(index_of)
+        while remaining:
+            for seq_id, result in engine.wait_finished(timeout=1.0):
+                results[index_of[seq_id]] = result
+                remaining -= 1
+                bar.update(1)
+    return results, time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ routed to it; results are scaled by their routing weight and scattered back.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -32,32 +33,47 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
-                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                experts: range | None = None) -> torch.Tensor:
-    """Weighted sum of the selected experts for every token.
+def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                        activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                        gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                        experts: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unweighted expert outputs for every (token, slot) routed to an expert in `experts`.
 
-    x [T, H]; weights/ids [T, k]; gate_up [E, 2F, H]; down [E, H, F]. `experts` restricts
-    the computation to a slice of expert ids (expert parallelism: weights of other experts
-    need not be present; gate_up/down are indexed relative to experts.start).
+    x [T, H]; ids [T, k]; gate_up [E', 2F, H]; down [E', H, F] hold experts `experts`
+    (all E when None), indexed relative to experts.start. Returns (slots, rows): flat slot
+    indices t*k + j and their outputs [n, H]. Each expert runs one matmul over its tokens.
     """
-    out = torch.zeros_like(x)
+    experts = experts if experts is not None else range(gate_up.shape[0])
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0] if experts is None else experts.stop).tolist()
-    token_of = order // ids.shape[1]
-    weight_of = weights.reshape(-1)[order]
-    first = 0 if experts is None else experts.start
-    start = sum(counts[:first])
-    for e in range(first, len(counts) if experts is None else experts.stop):
-        n = counts[e]
-        if n == 0:
+    counts = torch.bincount(flat_ids, minlength=experts.stop).tolist()
+    starts = [0, *itertools.accumulate(counts)]
+    slots, rows = [], []
+    for e in experts:
+        if counts[e] == 0:
             continue
-        rows = token_of[start:start + n]
-        local = e - first
-        h = F.linear(x[rows], gate_up[local], None if gate_up_bias is None else gate_up_bias[local])
-        y = F.linear(activation(h), down[local], None if down_bias is None else down_bias[local])
-        out.index_add_(0, rows, y * weight_of[start:start + n, None].to(y.dtype))
-        start += n
-    return out
+        mine = order[starts[e]:starts[e + 1]]
+        local = e - experts.start
+        h = F.linear(x[mine // ids.shape[1]], gate_up[local], None if gate_up_bias is None else gate_up_bias[local])
+        rows.append(F.linear(activation(h), down[local], None if down_bias is None else down_bias[local]))
+        slots.append(mine)
+    if not slots:
+        return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
+    return torch.cat(slots), torch.cat(rows)
+
+
+def combine_slots(slots: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Routing-weighted sum over each token's k slots, always in slot order: the result does not
+    depend on which process computed which expert."""
+    T, k = weights.shape
+    y = rows.new_zeros(T * k, rows.shape[-1])
+    y[slots] = rows
+    return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of the selected experts for every token: x [T, H]; weights/ids [T, k]."""
+    slots, rows = expert_slot_outputs(x, ids, gate_up, down, activation, gate_up_bias, down_bias)
+    return combine_slots(slots, rows, weights)

@@ -38,13 +38,18 @@ class KVCache:
         return out
 
     def trim(self):
-        """Drop positions no future query can see (sliding-window layers only)."""
-        if self.window is None or self.length <= self.window:
+        """Drop positions no future query can see (sliding-window layers only), and give back storage
+        a long prefill chunk made grow beyond twice the window, so memory stays bounded by the window."""
+        if self.window is None or self.k is None:
             return
-        keep = slice(self.length - self.window, self.length)
-        for t in (self.k, self.v, self.pos):
-            t[:self.window] = t[keep].clone()
-        self.length = self.window
+        if self.length > self.window:
+            keep = slice(self.length - self.window, self.length)
+            for t in (self.k, self.v, self.pos):
+                t[:self.window] = t[keep].clone()
+            self.length = self.window
+        cap = max(2 * self.window, 16)
+        if self.k.shape[0] > cap:
+            self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
 
     def nbytes(self) -> int:
         return 0 if self.k is None else sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))

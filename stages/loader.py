@@ -15,15 +15,15 @@ import torch
 from .errors import ModelFormatError
 from .gguf_file import GGUFFile
 
-EMBEDDED_MODELS = ("tiny-qwen35moe",)
+EMBEDDED_MODELS = ("tiny-qwen35moe", "tiny-gptoss")
 
 
 def architectures() -> dict[str, ModuleType]:
-    from . import qwen35moe
-    return {qwen35moe.ARCH: qwen35moe}
+    from . import gptoss, qwen35moe
+    return {qwen35moe.ARCH: qwen35moe, gptoss.ARCH: gptoss}
 
 
-HF_MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
+HF_MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "gpt_oss": "gpt-oss"}
 
 
 @dataclass

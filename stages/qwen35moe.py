@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kernels.attention import attention
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
-from kernels.moe import route_softmax_topk, run_experts, swiglu
+from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -278,22 +278,35 @@ class GatedAttentionMixer:
         return F.linear(out, self.o)
 
 
+def load_experts(cfg: Qwen35MoeConfig, w, layer: int, experts: range | None = None):
+    """The routed experts of one layer (a slice of them for expert parallelism) as a function
+    (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
+    p = f"blk.{layer}."
+    pick = (lambda t: t) if experts is None else (lambda t: t[experts.start:experts.stop].clone())
+    gate_up = torch.cat((pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))), dim=1)
+    down = pick(w(p + "ffn_down_exps.weight"))
+    return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, experts=experts)
+
+
 class MoEFeedForward:
-    def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
+    def __init__(self, cfg: Qwen35MoeConfig, w, layer: int, remote_experts=None):
+        p = f"blk.{layer}."
         self.cfg = cfg
         self.router = w(p + "ffn_gate_inp.weight")
-        self.gate_up = torch.cat((w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight")), dim=1)
-        self.down = w(p + "ffn_down_exps.weight")
-        self.shared = None
-        if cfg.shared_ff:
+        # Routed experts run here, or in expert actors behind `remote_experts(layer, x, ids)`.
+        if remote_experts is None:
+            self.experts = load_experts(cfg, w, layer)
+        else:
+            self.experts = lambda x, ids: remote_experts(layer, x, ids)
+        self.shared = bool(cfg.shared_ff)
+        if self.shared:
             self.shared_gate = w(p + "ffn_gate_inp_shexp.weight").view(1, -1)
             self.shared_gate_up = torch.cat((w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight")))
             self.shared_down = w(p + "ffn_down_shexp.weight")
-            self.shared = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(F.linear(x, self.router), self.cfg.n_expert_used)
-        y = run_experts(x, weights, ids, self.gate_up, self.down)
+        y = combine_slots(*self.experts(x, ids), weights)
         if self.shared:
             s = F.linear(swiglu(F.linear(x, self.shared_gate_up)), self.shared_down)
             y = y + torch.sigmoid(F.linear(x, self.shared_gate)) * s
@@ -301,13 +314,13 @@ class MoEFeedForward:
 
 
 class Layer:
-    def __init__(self, cfg: Qwen35MoeConfig, w, i: int):
+    def __init__(self, cfg: Qwen35MoeConfig, w, i: int, remote_experts=None):
         p = f"blk.{i}."
         self.cfg, self.index = cfg, i
         self.attn_norm = w(p + "attn_norm.weight")
         self.post_norm = w(p + "post_attention_norm.weight")
         self.mixer = (GatedAttentionMixer if cfg.is_full_attention(i) else DeltaNetMixer)(cfg, w, p)
-        self.ffn = MoEFeedForward(cfg, w, p)
+        self.ffn = MoEFeedForward(cfg, w, i, remote_experts)
 
     def new_cache(self):
         return self.mixer.new_cache()

@@ -20,6 +20,8 @@ class Sequence:
         self.n_cached = 0                # tokens whose effect is in every stage's cache
         self.finish_reason: str | None = None
         self.text = ""
+        self.cancelled = False           # set by the server when the client went away
+        self.error: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -69,6 +71,8 @@ class Sequence:
             self.finish_reason = "length"
 
     def result(self) -> dict:
+        if self.error:
+            return {"id": self.request_id, "error": self.error}
         return {
             "id": self.request_id,
             "prompt_token_ids": self.prompt_ids,

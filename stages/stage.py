@@ -14,7 +14,8 @@ from .loader import ModelFiles
 
 
 class Stage:
-    def __init__(self, model: ModelFiles, layers: range, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: ModelFiles, layers: range, dtype: torch.dtype = torch.float32, remote_experts=None):
+        """remote_experts(layer, x, ids) -> (slots, rows), when routed experts live in expert actors."""
         self.config = model.config
         self.layers_range = layers
         self.first = layers.start == 0
@@ -30,7 +31,7 @@ class Stage:
             return t
 
         self.embed = w("token_embd.weight") if "token_embd.weight" in shapes else None
-        self.layers = [model.arch.Layer(model.config, w, i) for i in layers]
+        self.layers = [model.arch.Layer(model.config, w, i, remote_experts) for i in layers]
         if self.last:
             self.norm = w("output_norm.weight")
             self.head = w("output.weight") if "output.weight" in shapes else self.embed

@@ -1,0 +1,131 @@
+"""Ray actors that hold weights: one per pipeline stage, and optional expert actors.
+
+A stage actor owns one GPU (or one CPU slot) and a `Stage`: its layers, their caches, and
+nothing of the other stages' weights. Expert actors hold a slice of the routed experts of
+every layer of one stage.
+"""
+from __future__ import annotations
+
+import os
+import resource
+
+import ray
+import torch
+
+from stages.errors import RaymoeError
+from stages.loader import open_model
+from stages.stage import Stage
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class ExpertClient:
+    """Stage-side view of its expert actors: every actor runs the experts it holds, the stage
+    merges the (slot, row) pieces; kernels.moe.combine_slots makes the sum order fixed."""
+
+    def __init__(self, actors):
+        self.actors = actors
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
+        parts = ray.get([a.run.remote(layer, x, ids) for a in self.actors])
+        return torch.cat([s for s, _ in parts]), torch.cat([r for _, r in parts])
+
+
+@ray.remote
+class ExpertActor:
+    def __init__(self, model_path: str, layers: tuple[int, int], experts: tuple[int, int], dtype: str, threads: int):
+        self.init_error = None
+        try:
+            self._load(model_path, layers, experts, dtype, threads)
+        except RaymoeError as e:      # reported by ping(), as a clean one-line error
+            self.init_error = e
+
+    def _load(self, model_path, layers, experts, dtype, threads):
+        torch.set_num_threads(threads)
+        model = open_model(model_path)
+        shapes = model.expected_shapes(range(*layers), False, False)
+
+        def w(name, as_dtype=None):
+            return model.weight(name, shapes[name], as_dtype or DTYPES[dtype])
+
+        self.experts = {i: model.arch.load_experts(model.config, w, i, range(*experts)) for i in range(*layers)}
+
+    @torch.inference_mode()
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
+        return self.experts[layer](x, ids)
+
+    def ping(self) -> int:
+        if self.init_error is not None:
+            raise self.init_error
+        return os.getpid()
+
+
+@ray.remote
+class StageActor:
+    def __init__(self, model_path: str, layers: tuple[int, int], dtype: str, threads: int, expert_actors=None):
+        self.init_error = self.group = None
+        try:
+            torch.set_num_threads(threads)
+            model = open_model(model_path)
+            remote = ExpertClient(expert_actors) if expert_actors else None
+            self.stage = Stage(model, range(*layers), DTYPES[dtype], remote_experts=remote)
+            self.hidden_size = model.config.hidden
+        except RaymoeError as e:      # reported by ping(), as a clean one-line error
+            self.init_error = e
+
+    def forward(self, batch, hidden=None):
+        """Object-store transport: the previous stage's output arrives as this call's argument."""
+        return self.stage.forward(batch, hidden)
+
+    # torch.distributed point-to-point transport (gloo on CPU)
+    def rendezvous_address(self) -> str:
+        import socket
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join_group(self, address: str, rank: int, world: int):
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        self.group = (rank, world)
+
+    def forward_p2p(self, batch):
+        """Receive hidden states from the previous rank, run the layers, send to the next; the last
+        stage returns the logits. Tensors travel as raw bytes, whatever the dtype."""
+        import torch.distributed as dist
+        rank, world = self.group
+        hidden = None
+        if rank > 0:
+            buf = torch.empty(batch.n_tokens, self.hidden_size, dtype=self.stage.dtype)
+            dist.recv(buf.view(torch.uint8), src=rank - 1)
+            hidden = buf
+        out = self.stage.forward(batch, hidden)
+        if rank < world - 1:
+            dist.send(out.contiguous().view(torch.uint8), dst=rank + 1)
+            return None
+        return out
+
+    def release(self, seq_ids: list[int]):
+        for sid in seq_ids:
+            self.stage.release(sid)
+
+    def reset(self):
+        self.stage.caches.clear()
+
+    def stats(self) -> dict:
+        return {"layers": [self.stage.layers_range.start, self.stage.layers_range.stop],
+                "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                "pid": os.getpid()}
+
+    def ping(self) -> int:
+        if self.init_error is not None:
+            raise self.init_error
+        return os.getpid()

@@ -1,0 +1,225 @@
+"""The coordinator actor: owns every sequence, schedules micro-batches, keeps the pipeline full.
+
+Up to PP micro-batches (one per micro-batch group, see stages.engine.EngineCore) are in
+flight at once, so every stage has work. When a stage actor dies, the pipeline replaces it
+and every live sequence recomputes its caches from its tokens; the outputs are unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from stages.engine import EngineCore
+from stages.errors import RequestError
+from stages.loader import open_model
+from stages.requests import prompt_ids, sampling_params
+from stages.sampling import SamplingParams
+
+from .pipeline import Pipeline, PipelineSpec
+
+log = logging.getLogger("raymoe.coordinator")
+MAX_RESTARTS = 5
+
+
+@ray.remote
+class Coordinator:
+    def __init__(self, spec: PipelineSpec, n_groups: int = 4, max_batch_tokens: int = 512,
+                 prefill_chunk: int = 256, max_running: int = 64, fault_injection: dict | None = None):
+        model = open_model(spec.model_path)
+        self.core = EngineCore(model.config, model.tokenizer, n_groups, max_batch_tokens, prefill_chunk, max_running)
+        self.spec = spec
+        self.pipeline = None
+        self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
+        self.next_group = 0
+        self.wake = asyncio.Event()
+        self.events: dict[int, asyncio.Queue] = {}      # seq_id -> stream of updates
+        self.seq_of_request: dict = {}
+        self.finished: list[dict] = []
+        self.finished_event = asyncio.Event()
+        self.fault = dict(fault_injection or {})
+        self.steps = self.restarts = 0
+        self.stats = {"first_token_s": [], "started": {}}
+        self.loop_task = None
+        self.error: str | None = None
+
+    def start(self):
+        """Start the stage actors and wait until every one has loaded its weights."""
+        self.pipeline = Pipeline(self.spec)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _ensure_loop(self):
+        if self.loop_task is None:
+            self.loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
+        """Queue one request (a JSONL line / API body). Returns its sequence id; bad requests raise
+        RequestError with a one-line message."""
+        if self.error:
+            raise RuntimeError(self.error)
+        params = sampling_params(request, SamplingParams.from_dict(defaults or {}))
+        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        self.events[seq.seq_id] = asyncio.Queue()
+        self.stats["started"][seq.seq_id] = time.perf_counter()
+        self._ensure_loop()
+        self.wake.set()
+        return seq.seq_id
+
+    async def submit_many(self, requests: list, defaults: dict | None = None) -> list:
+        """[(id, request)] -> [seq_id or {"error": message}] in the same order."""
+        out = []
+        for rid, request in requests:
+            try:
+                out.append(await self.submit(rid, request, defaults))
+            except RequestError as e:
+                out.append({"error": str(e)})
+        return out
+
+    async def cancel(self, seq_id: int):
+        seq = self.core.sequences.get(seq_id)
+        if seq is None:
+            return
+        busy = any(c.seq is seq for _, plan, _ in self.in_flight.values() for c in plan)
+        if busy:
+            seq.cancelled = True          # finished when its in-flight step returns
+        else:
+            self._finish(seq, "abort")
+
+    async def wait_finished(self, timeout: float = 1.0) -> list[tuple[int, dict]]:
+        """(seq_id, result) of the sequences finished since the last call (waits up to timeout for one)."""
+        if not self.finished:
+            self.finished_event.clear()
+            try:
+                await asyncio.wait_for(self.finished_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        if self.error and not self.finished:
+            raise RuntimeError(self.error)
+        out, self.finished = self.finished, []
+        return out
+
+    @ray.method(num_returns="streaming")
+    async def stream(self, seq_id: int):
+        """Updates of one sequence: {"token_ids": [new ids], "logprobs": [...], "text": full text so far},
+        the last one with "finished": the final result."""
+        queue = self.events.get(seq_id)
+        if queue is None:
+            raise RequestError(f"unknown sequence {seq_id}")
+        while True:
+            update = await queue.get()
+            yield update
+            if "finished" in update:
+                self.events.pop(seq_id, None)
+                return
+
+    def pipeline_stats(self) -> dict:
+        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
+                "first_token_s": list(self.stats["first_token_s"])}
+
+    def shutdown(self):
+        self.pipeline.shutdown()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _launch(self):
+        groups = len(self.core.groups)
+        for _ in range(groups):
+            if len(self.in_flight) >= self.pipeline.spec.pp:
+                return
+            g = self.next_group
+            self.next_group = (g + 1) % groups
+            if g in self.in_flight:
+                continue
+            planned = self.core.next_batch(g)
+            if planned is None:
+                continue
+            batch, plan = planned
+            self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
+            self._maybe_inject_fault()
+
+    def _maybe_inject_fault(self):
+        """Test hook: kill a stage actor once, right after the Nth micro-batch was launched."""
+        if self.fault and self.steps + len(self.in_flight) >= self.fault["after_steps"]:
+            ray.kill(self.pipeline.stages[self.fault["stage"]], no_restart=True)
+            self.fault = {}
+
+    async def _run(self):
+        while True:
+            self._launch()
+            if not self.in_flight:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            waits = {asyncio.ensure_future(self._gather(g, refs)): g for g, (refs, _, _) in self.in_flight.items()}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for p in pending:
+                p.cancel()
+            failed = False
+            for task in done:
+                g = waits[task]
+                try:
+                    logits = task.result()
+                except ray.exceptions.RayError as e:
+                    failed = True
+                    log.warning("micro-batch failed (%s); restarting the pipeline", type(e).__name__)
+                    continue
+                _, plan, _ = self.in_flight.pop(g)
+                self.steps += 1
+                self._consume(logits, plan)
+            if failed:
+                await self._recover()
+
+    async def _gather(self, g, refs):
+        results = await asyncio.gather(*refs)
+        return results[-1]
+
+    def _consume(self, logits, plan):
+        before = {c.seq.seq_id: len(c.seq.output_ids) for c in plan}
+        finished = self.core.consume(logits, plan)
+        now = time.perf_counter()
+        for c in plan:
+            seq = c.seq
+            new = seq.output_ids[before[seq.seq_id]:]
+            if new and before[seq.seq_id] == 0:
+                self.stats["first_token_s"].append(now - self.stats["started"].pop(seq.seq_id, now))
+            if new and seq not in finished:
+                self._publish(seq, new, before[seq.seq_id])
+            if seq.cancelled and seq not in finished:
+                self._finish(seq, "abort")
+        for seq in finished:
+            self._publish(seq, seq.output_ids[before[seq.seq_id]:], before[seq.seq_id], final=True)
+        if finished:
+            self.pipeline.release([s.seq_id for s in finished])
+
+    def _publish(self, seq, new_ids, first_index, final=False):
+        queue = self.events.get(seq.seq_id)
+        update = {"token_ids": list(new_ids), "text": seq.text,
+                  "logprobs": seq.logprobs[first_index:] if seq.logprobs is not None else None}
+        if final:
+            result = seq.result()
+            update["finished"] = result
+            self.finished.append((seq.seq_id, result))
+            self.finished_event.set()
+        if queue is not None:
+            queue.put_nowait(update)
+
+    def _finish(self, seq, reason):
+        self.core.finish(seq, reason)
+        self.pipeline.release([seq.seq_id])
+        self._publish(seq, [], len(seq.output_ids), final=True)
+
+    async def _recover(self):
+        """A stage (or expert) actor died: drop every in-flight step, replace the dead actors, and let
+        every live sequence recompute its caches from its tokens."""
+        self.in_flight.clear()      # stale steps still queued on live stages run before their reset
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            self.error = f"pipeline failed {self.restarts} times; giving up"
+            for seq in list(self.core.sequences.values()):
+                seq.error = self.error
+                self._finish(seq, "error")
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.pipeline.restart)
+        self.core.forget_caches()

@@ -1,0 +1,99 @@
+"""The engine API that the batch job and the Serve app use: start a pipeline on Ray, submit
+requests, stream their tokens, cancel them.
+
+    engine = ClusterEngine("tiny-qwen35moe", pp=2)
+    seq_id = engine.submit("r1", {"prompt": "Hello", "max_tokens": 8})
+    async for update in engine.stream(seq_id): ...
+"""
+from __future__ import annotations
+
+import os
+
+import ray
+
+from stages.errors import RaymoeError, RequestError
+from stages.loader import open_model, resolve_model_path
+
+from .coordinator import Coordinator
+from .pipeline import PipelineSpec
+
+
+def connect_ray(slots_needed: int):
+    """Join the cluster at RAY_ADDRESS when set, else start a local one with enough CPU slots."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR")
+
+
+def unwrap(error: Exception) -> Exception:
+    """The user-facing error inside a Ray task error, if there is one."""
+    cause = getattr(error, "cause", None)
+    while cause is not None and not isinstance(cause, RaymoeError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    return cause if isinstance(cause, RaymoeError) else error
+
+
+class ClusterEngine:
+    def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "float32",
+                 transport: str = "object_store", threads: int | None = None, split: list[int] | None = None,
+                 microbatches: int = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
+                 max_running: int = 64, device: str = "cpu", fault_injection: dict | None = None):
+        if device != "cpu":
+            raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
+        if microbatches < pp:
+            raise RaymoeError(f"--microbatches {microbatches} must be >= --pp {pp} to keep every stage busy")
+        path = os.path.abspath(resolve_model_path(model))
+        files = open_model(path)          # config and tokenizer only: fail fast on a bad model
+        self.tokenizer, self.config = files.tokenizer, files.config
+        slots = pp * (1 + ep)
+        spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
+                            ep=ep, dtype=dtype, transport=transport, split=split,
+                            threads=threads or max(1, (os.cpu_count() or 1) // slots))
+        try:
+            spec.validate()
+        except ValueError as e:
+            raise RaymoeError(str(e)) from None
+        connect_ray(slots)
+        self.coordinator = Coordinator.options(num_cpus=0).remote(
+            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection)
+        self._call(self.coordinator.start.remote())
+
+    def _call(self, ref, timeout=None):
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise RaymoeError(f"the coordinator died: {e}") from None
+
+    def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
+        """Queue a request; returns its sequence id. A bad request raises RequestError."""
+        return self._call(self.coordinator.submit.remote(request_id, request, defaults))
+
+    def submit_many(self, requests: list, defaults: dict | None = None) -> list:
+        return self._call(self.coordinator.submit_many.remote(requests, defaults))
+
+    def wait_finished(self, timeout: float = 1.0) -> list[tuple[int, dict]]:
+        return self._call(self.coordinator.wait_finished.remote(timeout))
+
+    async def stream(self, seq_id: int):
+        """Async iterator of updates; the last carries "finished" (the full result)."""
+        async for ref in self.coordinator.stream.remote(seq_id):
+            yield await ref
+
+    def cancel(self, seq_id: int):
+        self.coordinator.cancel.remote(seq_id)
+
+    def stats(self) -> dict:
+        return self._call(self.coordinator.pipeline_stats.remote())
+
+    def shutdown(self):
+        try:
+            ray.get(self.coordinator.shutdown.remote(), timeout=60)
+        except Exception:
+            pass
+        ray.kill(self.coordinator)

@@ -1,0 +1,139 @@
+"""The pipeline: stage actors (and expert actors) placed in a placement group, and the
+transport that moves activations between stages.
+
+Transports (outputs never depend on the choice):
+- `object_store`: each stage call takes the previous stage's result ObjectRef as its argument;
+  Ray moves the tensor through its object store (shared memory on one node, works across nodes).
+- `gloo`: stages exchange activations with torch.distributed send/recv over a gloo group; the
+  coordinator only sends each stage the batch description.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from stages.engine import split_layers
+
+from .actors import ExpertActor, StageActor
+
+TRANSPORTS = ("object_store", "gloo")
+
+
+@dataclass
+class PipelineSpec:
+    model_path: str
+    n_layers: int
+    n_experts: int
+    pp: int = 1
+    ep: int = 0                      # expert actors per stage (0: experts in the stage)
+    dtype: str = "float32"
+    transport: str = "object_store"
+    threads: int = 1                 # torch threads per actor
+    split: list[int] | None = None   # layers per stage; even split when None
+    use_gpu: bool = False
+
+    def validate(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
+        if self.ep < 0 or (self.ep and self.n_experts % self.ep):
+            raise ValueError(f"--ep {self.ep} must divide the model's {self.n_experts} experts")
+        split_layers(self.n_layers, self.pp, self.split)
+
+
+class Pipeline:
+    def __init__(self, spec: PipelineSpec):
+        spec.validate()
+        self.spec = spec
+        self.ranges = split_layers(spec.n_layers, spec.pp, spec.split)
+        resource = {"GPU": 1} if spec.use_gpu else {"CPU": 1}
+        n_bundles = spec.pp * (1 + spec.ep)
+        self.pg = placement_group([resource] * n_bundles, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        self.stages: list = [None] * spec.pp
+        self.experts: list[list] = [[] for _ in range(spec.pp)]
+        for i in range(spec.pp):
+            self._start_stage(i)
+        self._connect()
+
+    def _options(self, bundle: int) -> dict:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+        opts = {"scheduling_strategy": strategy, "max_concurrency": 1}
+        if self.spec.use_gpu:
+            opts["num_gpus"] = 1
+        else:
+            opts["num_cpus"] = 1
+        return opts
+
+    def _start_stage(self, i: int):
+        s, r = self.spec, self.ranges[i]
+        layers = (r.start, r.stop)
+        experts = []
+        if s.ep:
+            per = s.n_experts // s.ep
+            experts = [ExpertActor.options(**self._options(s.pp + i * s.ep + j)).remote(
+                s.model_path, layers, (j * per, (j + 1) * per), s.dtype, s.threads) for j in range(s.ep)]
+        self.experts[i] = experts
+        self.stages[i] = StageActor.options(**self._options(i)).remote(s.model_path, layers, s.dtype, s.threads,
+                                                                      experts or None)
+
+    def _connect(self):
+        """Wait for every actor to load; join the process group for the gloo transport."""
+        ray.get([a.ping.remote() for a in self.stages + [e for ex in self.experts for e in ex]])
+        if self.spec.transport == "gloo":
+            address = ray.get(self.stages[0].rendezvous_address.remote())
+            ray.get([a.join_group.remote(address, rank, len(self.stages)) for rank, a in enumerate(self.stages)])
+
+    def submit(self, batch) -> list:
+        """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
+        if self.spec.transport == "gloo":
+            return [a.forward_p2p.remote(batch) for a in self.stages]
+        refs, ref = [], None
+        for a in self.stages:
+            ref = a.forward.remote(batch, ref)
+            refs.append(ref)
+        return refs
+
+    def release(self, seq_ids: list[int]):
+        for a in self.stages:
+            a.release.remote(seq_ids)
+
+    def restart(self):
+        """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
+        every stage's caches; the caller recomputes the sequences in flight."""
+        if self.spec.transport == "gloo":     # survivors may be blocked in recv: replace them all
+            dead = list(range(len(self.stages)))
+        else:
+            dead = [i for i, a in enumerate(self.stages) if not self._alive([a] + self.experts[i])]
+        for i in dead:
+            self._kill(i)
+        for i in dead:
+            self._start_stage(i)
+        self._connect()
+        ray.get([a.reset.remote() for a in self.stages])
+        return dead
+
+    @staticmethod
+    def _alive(actors) -> bool:
+        try:
+            ray.get([a.ping.remote() for a in actors], timeout=30)
+            return True
+        except Exception:
+            return False
+
+    def _kill(self, i: int):
+        for a in [self.stages[i]] + self.experts[i]:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
+    def stats(self) -> list[dict]:
+        return ray.get([a.stats.remote() for a in self.stages])
+
+    def shutdown(self):
+        for i in range(len(self.stages)):
+            self._kill(i)
+        remove_placement_group(self.pg)
