@@ -25,8 +25,14 @@ def connect_ray(slots_needed: int):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
+
+
+def default_threads() -> int:
+    """Torch threads per actor. Results depend (in the last bits) on the thread count, so the
+    default does not depend on --pp or --ep: every pipeline degree then gives identical outputs."""
+    return max(1, (os.cpu_count() or 1) // 4)
 
 
 def unwrap(error: Exception) -> Exception:
@@ -52,7 +58,7 @@ class ClusterEngine:
         slots = pp * (1 + ep)
         spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
                             ep=ep, dtype=dtype, transport=transport, split=split,
-                            threads=threads or max(1, (os.cpu_count() or 1) // slots))
+                            threads=threads or default_threads())
         try:
             spec.validate()
         except ValueError as e:

@@ -1,10 +1,12 @@
-"""Convert an HF checkpoint to GGUF, with every convention change of DESIGN §3.
+"""Convert an HF checkpoint to GGUF, with every convention change of DESIGN §3 (qwen35moe) and §5 (gpt-oss).
 
     python -m deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
 
 The tensors come from the same reader the engine uses for HF directories, so a converted
-file computes exactly what the directory does. 1-D tensors (norms, biases, gates) and the
-conv kernel stay float32, as llama.cpp's converter keeps them.
+file computes exactly what the directory does. 1-D tensors (norms, gates), biases and the
+conv kernel stay float32, as llama.cpp's converter keeps them. Tensors the checkpoint already holds
+in a GGML type (gpt-oss's MXFP4 experts, via the source's `raw_tensor`) are repacked bit for bit,
+never requantised, whatever `--type` says.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def _add_metadata(writer, arch: str, values: dict):
             writer.add_float32(full, value)
         elif isinstance(value, list):
             writer.add_array(full, value)
+        elif isinstance(value, str):
+            writer.add_string(full, value)
         else:
             raise TypeError(f"metadata {full}: {type(value).__name__}")
 
@@ -46,7 +50,8 @@ def _encode(tensor, kind: str, name: str):
 
     data = tensor.float().numpy()
     qtype = _ggml_type(kind)
-    if data.ndim == 1 or name.endswith("ssm_conv1d.weight") or qtype == gguf.GGMLQuantizationType.F32:
+    if (data.ndim == 1 or name.endswith(("ssm_conv1d.weight", ".bias"))
+            or qtype == gguf.GGMLQuantizationType.F32):
         return data, None
     if qtype == gguf.GGMLQuantizationType.F16:
         return data.astype(np.float16), None
@@ -79,9 +84,17 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
     writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[kind])
     _add_metadata(writer, arch.ARCH, arch.gguf_metadata(cfg))
     write_tokenizer_to_gguf(writer, model.tokenizer, arch.TOKENIZER_PRE, vocab_size=cfg.vocab)
+    native = getattr(model.source, "raw_tensor", None)    # tensors the checkpoint already holds in a GGML type
     for name, shape in tqdm(names.items(), desc="converting", unit="tensor", file=sys.stderr,
                             disable=not progress or None):
-        data, raw = _encode(model.weight(name, shape, dtype=torch.float32), kind, name)
+        packed = native(name) if native else None
+        if packed is not None:
+            data, raw = packed
+            if tuple(gguf.quant_shape_from_byte_shape(data.shape, raw)) != tuple(shape):
+                raise RaymoeError(f"{hf_dir}: tensor {name} repacks to shape "
+                                  f"{list(gguf.quant_shape_from_byte_shape(data.shape, raw))}, expected {list(shape)}")
+        else:
+            data, raw = _encode(model.weight(name, shape, dtype=torch.float32), kind, name)
         writer.add_tensor(name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,6 +1,6 @@
 """Deterministic tiny random models: an HF directory and its GGUF, written without transformers.
 
-    python -m deploy.make_tiny --arch qwen35moe --out DIR
+    python -m deploy.make_tiny --arch qwen35moe|gptoss --out DIR
 
 DIR/hf holds config.json, model.safetensors and the tokenizer; DIR/<name>.gguf is the same
 model through deploy.convert. The embedded default model names resolve to a cached copy.
@@ -78,7 +78,65 @@ def qwen35moe_tensors(c: dict, seed: int) -> dict[str, torch.Tensor]:
     return t
 
 
-ARCHS = {"qwen35moe": (qwen35moe_config, qwen35moe_tensors)}
+def gptoss_config(vocab_size: int) -> dict:
+    """Shaped like gpt-oss-20b's config.json (v4 `rope_scaling` spelling, MXFP4 experts), scaled down."""
+    n_layers = 4
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": n_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attention_bias": True,
+        "intermediate_size": 64, "num_local_experts": 16, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "rms_norm_eps": 1e-5, "sliding_window": 16, "max_position_embeddings": 131072,
+        "initial_context_length": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+        "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+        "torch_dtype": "bfloat16",
+    }
+
+
+def gptoss_tensors(c: dict, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named random weights; experts as MXFP4 `*_blocks` / `*_scales` like the released checkpoints."""
+    g = torch.Generator().manual_seed(seed)
+    H, E, I = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
+    hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    scale = 1.5 / H ** 0.5
+
+    def rnd(*shape, s=scale):
+        return torch.randn(shape, generator=g) * s
+
+    def mxfp4(rows, cols):
+        # random e2m1 codes; e8m0 scales 2^-6..2^-3 give weights of about the size of `scale`
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(121, 125, (E, rows, cols // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+        return blocks, scales
+
+    t = {"model.embed_tokens.weight": rnd(c["vocab_size"], H, s=1.0), "model.norm.weight": 1 + rnd(H, s=0.3),
+         "lm_head.weight": rnd(c["vocab_size"], H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + rnd(H, s=0.3)
+        t[p + "post_attention_layernorm.weight"] = 1 + rnd(H, s=0.3)
+        for name, out, inp in (("q_proj", nh * hd, H), ("k_proj", nkv * hd, H), ("v_proj", nkv * hd, H),
+                               ("o_proj", H, nh * hd)):
+            t[f"{p}self_attn.{name}.weight"] = rnd(out, inp, s=1.5 / inp ** 0.5)
+            t[f"{p}self_attn.{name}.bias"] = rnd(out, s=0.2)
+        t[p + "self_attn.sinks"] = rnd(nh, s=1.0)
+        t[p + "mlp.router.weight"] = rnd(E, H, s=4 * scale)
+        t[p + "mlp.router.bias"] = rnd(E, s=0.2)
+        e = p + "mlp.experts."
+        t[e + "gate_up_proj_blocks"], t[e + "gate_up_proj_scales"] = mxfp4(2 * I, H)
+        t[e + "gate_up_proj_bias"] = rnd(E, 2 * I, s=0.2)
+        t[e + "down_proj_blocks"], t[e + "down_proj_scales"] = mxfp4(H, I)
+        t[e + "down_proj_bias"] = rnd(E, H, s=0.2)
+    return t
+
+
+ARCHS = {"qwen35moe": (qwen35moe_config, qwen35moe_tensors), "gptoss": (gptoss_config, gptoss_tensors)}
 
 
 def make_tiny(arch: str, out_dir: str, seed: int = 0, gguf_type: str = "f32") -> str:

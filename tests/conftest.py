@@ -14,3 +14,12 @@ def _isolated_cache(tmp_path_factory):
     os.environ["RAYMOE_CACHE"] = str(tmp_path_factory.mktemp("raymoe-cache"))
     import deploy.make_tiny as make_tiny
     make_tiny.CACHE_DIR = os.environ["RAYMOE_CACHE"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_session(_isolated_cache):
+    """One local Ray cluster for the whole run, with CPU slots for PP=4 x EP=2 plus the coordinator."""
+    import ray
+    ray.init(address="local", num_cpus=12, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
