@@ -1,4 +1,4 @@
-# make run: set up .venv and generate with the embedded default model.
+# make run: set up .venv, generate on the Ray cluster (PP=2) with the embedded default model, check PP=1 agrees.
 # make test: set up .venv (with test extras) and run the whole suite.
 PYTHON ?= python3
 VENV := .venv
@@ -21,9 +21,7 @@ setup-test: $(VENV)/.installed-test
 
 run: setup
 	mkdir -p out
-	$(PY) -m deploy.generate --model tiny-qwen35moe --input examples/prompts.jsonl --output out/generations.jsonl \
-		--max-tokens 24 --temperature 0
-	$(PY) -c "import json; [print(json.dumps({k: r.get(k) for k in ('id', 'text', 'finish_reason', 'error')}, ensure_ascii=False)) for r in map(json.loads, open('out/generations.jsonl'))]"
+	$(PY) -m deploy.demo --model tiny-qwen35moe --input examples/prompts.jsonl --output out/generations.jsonl
 
 test: setup-test
 	$(PY) -m pytest
