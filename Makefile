@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test run test bench clean
+.PHONY: setup setup-test run test bench bench-serve serve protos clean
 
-$(VENV)/.installed: pyproject.toml
+# installing also generates the gRPC stubs from protos/*.proto (setup.py)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
@@ -28,6 +29,16 @@ test: setup-test
 
 bench: setup-test
 	$(PY) -m deploy.bench
+
+bench-serve: setup
+	$(PY) -m deploy.bench_serve
+
+serve: setup
+	$(PY) -m deploy.serve --model tiny-qwen35moe
+
+# regenerate the gRPC stubs (protos/*_pb2*.py) after editing a .proto
+protos: setup
+	$(PY) -m pip install --quiet --no-deps -e .
 
 clean:
 	rm -rf $(VENV) out

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import ray
 
 from stages.engine import EngineCore
-from stages.errors import RequestError
+from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
 from stages.requests import prompt_ids, sampling_params
 from stages.sampling import SamplingParams
@@ -24,10 +25,15 @@ log = logging.getLogger("raymoe.coordinator")
 MAX_RESTARTS = 5
 
 
+class QueueFullError(RaymoeError):
+    """The coordinator's bounded queue is full: try again later (HTTP 503)."""
+
+
 @ray.remote
 class Coordinator:
     def __init__(self, spec: PipelineSpec, n_groups: int = 4, max_batch_tokens: int = 512,
-                 prefill_chunk: int = 256, max_running: int = 64, fault_injection: dict | None = None):
+                 prefill_chunk: int = 256, max_running: int = 64, fault_injection: dict | None = None,
+                 max_queued: int | None = None):
         model = open_model(spec.model_path)
         self.core = EngineCore(model.config, model.tokenizer, n_groups, max_batch_tokens, prefill_chunk, max_running)
         self.spec = spec
@@ -41,7 +47,10 @@ class Coordinator:
         self.finished_event = asyncio.Event()
         self.fault = dict(fault_injection or {})
         self.steps = self.restarts = 0
-        self.stats = {"first_token_s": [], "started": {}}
+        self.stats = {"first_token_s": deque(maxlen=100_000), "started": {}}
+        self.max_queued = max_queued                    # None: unbounded
+        self.uncollected: set[int] = set()              # results only streamed, never kept for wait_finished
+        self.streaming: set[int] = set()                # sequences with a stream() reader
         self.loop_task = None
         self.error: str | None = None
 
@@ -54,13 +63,20 @@ class Coordinator:
         if self.loop_task is None:
             self.loop_task = asyncio.get_running_loop().create_task(self._run())
 
-    async def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
+    async def submit(self, request_id, request: dict, defaults: dict | None = None, collect: bool = True) -> int:
         """Queue one request (a JSONL line / API body). Returns its sequence id; bad requests raise
-        RequestError with a one-line message."""
+        RequestError with a one-line message, a full queue QueueFullError. With collect=False the
+        result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         if self.error:
             raise RuntimeError(self.error)
         params = sampling_params(request, SamplingParams.from_dict(defaults or {}))
-        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        ids = prompt_ids(request, self.core.tokenizer)
+        if self.max_queued is not None and self.queued() >= self.max_queued:
+            raise QueueFullError(f"the server is busy: {self.queued()} requests are already waiting for a "
+                                 f"slot (limit {self.max_queued}); retry later")
+        seq = self.core.add_request(request_id, ids, params)
+        if not collect:
+            self.uncollected.add(seq.seq_id)
         self.events[seq.seq_id] = asyncio.Queue()
         self.stats["started"][seq.seq_id] = time.perf_counter()
         self._ensure_loop()
@@ -81,10 +97,9 @@ class Coordinator:
         seq = self.core.sequences.get(seq_id)
         if seq is None:
             return
+        seq.cancelled = True              # when busy: finished when its in-flight step returns
         busy = any(c.seq is seq for _, plan, _ in self.in_flight.values() for c in plan)
-        if busy:
-            seq.cancelled = True          # finished when its in-flight step returns
-        else:
+        if not busy:
             self._finish(seq, "abort")
 
     async def wait_finished(self, timeout: float = 1.0) -> list[tuple[int, dict]]:
@@ -107,12 +122,31 @@ class Coordinator:
         queue = self.events.get(seq_id)
         if queue is None:
             raise RequestError(f"unknown sequence {seq_id}")
-        while True:
-            update = await queue.get()
-            yield update
-            if "finished" in update:
-                self.events.pop(seq_id, None)
-                return
+        self.streaming.add(seq_id)
+        try:
+            while True:
+                update = await queue.get()
+                yield update
+                if "finished" in update:
+                    self.events.pop(seq_id, None)
+                    return
+        finally:
+            self.streaming.discard(seq_id)
+
+    # ---- load (for a server's metrics and back-pressure) ----------------------------------------
+    def queued(self) -> int:
+        """Sequences that cannot run yet because their micro-batch group has no free slot."""
+        return sum(max(0, len(g.running) + len(g.waiting) - g.max_running) for g in self.core.groups)
+
+    def load(self) -> dict:
+        """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack
+        of a slot (what max_queued bounds); slots: how many sequences can hold caches at once."""
+        if self.error:
+            raise RuntimeError(self.error)
+        return {"running": sum(len(g.running) for g in self.core.groups),
+                "waiting": sum(len(g.waiting) for g in self.core.groups), "queued": self.queued(),
+                "slots": sum(g.max_running for g in self.core.groups), "max_queued": self.max_queued,
+                "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}
 
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
@@ -199,8 +233,15 @@ class Coordinator:
         if final:
             result = seq.result()
             update["finished"] = result
-            self.finished.append((seq.seq_id, result))
-            self.finished_event.set()
+            self.stats["started"].pop(seq.seq_id, None)
+            if seq.seq_id in self.uncollected:
+                self.uncollected.discard(seq.seq_id)
+                if seq.cancelled and seq.seq_id not in self.streaming:
+                    self.events.pop(seq.seq_id, None)     # its reader went away before it started reading
+                    queue = None
+            else:
+                self.finished.append((seq.seq_id, result))
+                self.finished_event.set()
         if queue is not None:
             queue.put_nowait(update)
 

@@ -14,7 +14,7 @@ import ray
 from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model, resolve_model_path
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
 from .pipeline import PipelineSpec
 
 
@@ -47,7 +47,8 @@ class ClusterEngine:
     def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "float32",
                  transport: str = "object_store", threads: int | None = None, split: list[int] | None = None,
                  microbatches: int = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int = 64, device: str = "cpu", fault_injection: dict | None = None):
+                 max_running: int = 64, device: str = "cpu", fault_injection: dict | None = None,
+                 max_queued: int | None = None):
         if device != "cpu":
             raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
         if microbatches < pp:
@@ -64,8 +65,9 @@ class ClusterEngine:
         except ValueError as e:
             raise RaymoeError(str(e)) from None
         connect_ray(slots)
+        self.pp = pp
         self.coordinator = Coordinator.options(num_cpus=0).remote(
-            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection)
+            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection, max_queued=max_queued)
         self._call(self.coordinator.start.remote())
 
     def _call(self, ref, timeout=None):
@@ -96,6 +98,24 @@ class ClusterEngine:
 
     def stats(self) -> dict:
         return self._call(self.coordinator.pipeline_stats.remote())
+
+    # ---- async API for servers (never blocks the caller's event loop) -------------------------
+    async def _acall(self, ref):
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise RaymoeError(f"the coordinator died: {e}") from None
+
+    async def submit_async(self, request_id, request: dict, defaults: dict | None = None) -> int:
+        """Queue a request whose result is only read through stream(); raises RequestError for a bad
+        request and QueueFullError when the bounded queue (max_queued) is full."""
+        return await self._acall(self.coordinator.submit.remote(request_id, request, defaults, False))
+
+    async def load_async(self) -> dict:
+        """{"running", "waiting", "queued", "slots", "max_queued", ...}: see Coordinator.load."""
+        return await self._acall(self.coordinator.load.remote())
 
     def shutdown(self):
         try:

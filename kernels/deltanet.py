@@ -13,15 +13,16 @@ import torch.nn.functional as F
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x [T, C], weight [C, K], state [K-1, C] (the previous inputs).
+    """Depthwise causal conv + SiLU. x [..., T, C], weight [C, K], state [..., K-1, C] (the previous
+    inputs); leading dimensions batch independent sequences.
 
-    Returns (y [T, C], new_state [K-1, C]).
+    Returns (y [..., T, C], new_state [..., K-1, C]).
     """
     kernel = weight.shape[1]
-    full = torch.cat((state.to(x.dtype), x), dim=0)                 # [T+K-1, C]
-    windows = full.unfold(0, kernel, 1)                               # [T, C, K]
+    full = torch.cat((state.to(x.dtype), x), dim=-2)                # [..., T+K-1, C]
+    windows = full.unfold(-2, kernel, 1)                              # [..., T, C, K]
     y = (windows * weight.to(x.dtype)).sum(-1)
-    return F.silu(y), full[full.shape[0] - (kernel - 1):].clone()
+    return F.silu(y), full[..., full.shape[-2] - (kernel - 1):, :].clone()
 
 
 def delta_rule_step(q, k, v, g, beta, state):
@@ -34,11 +35,12 @@ def delta_rule_step(q, k, v, g, beta, state):
 
 
 def delta_rule_recurrent(q, k, v, g, beta, state):
-    """q/k [T, H, dk], v [T, H, dv], g/beta [T, H], state [H, dk, dv] -> (y [T, H, dv], state)."""
+    """q/k [T, H, dk], v [T, H, dv], g/beta [T, H], state [H, dk, dv] float32 -> (y [T, H, dv], state).
+
+    The state is updated in place (and returned)."""
     dk = q.shape[-1]
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     q = q * dk ** -0.5
-    state = state.float().clone()
     out = torch.empty(v.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
         out[t] = delta_rule_step(q[t], k[t], v[t], g[t], beta[t], state)

@@ -76,13 +76,34 @@ class GGUFFile:
         return t.data, t.tensor_type
 
     def get(self, name: str) -> torch.Tensor:
-        """Dequantised float32 tensor in torch order (slowest dimension first)."""
+        """Dequantised float32 tensor in torch order (slowest dimension first).
+
+        Bytes are read from the file rather than through the mmap, so a stage's resident memory
+        is its weights, not its weights plus the mapped file pages it touched.
+        """
+        from gguf import GGMLQuantizationType
+
         from kernels.dequant import dequantize
 
-        data, qtype = self.raw(name)
+        if name not in self.tensors:
+            raise ModelFormatError(f"{self.path}: missing tensor {name}")
+        t = self.tensors[name]
         shape = tuple(reversed(self.ggml_shape(name)))
+        if t.tensor_type == GGMLQuantizationType.F32:
+            out = torch.empty(shape, dtype=torch.float32)
+            self._read_into(t, out.view(torch.uint8).reshape(-1))
+            return out
+        rows = max(1, int(np.prod(shape[:-1])))
+        raw = torch.empty(rows, t.n_bytes // rows, dtype=torch.uint8)
+        self._read_into(t, raw.reshape(-1))
         try:
-            out = dequantize(data, qtype)
+            out = dequantize(raw, t.tensor_type)
         except NotImplementedError as e:
             raise ModelFormatError(f"{self.path}: tensor {name}: {e}") from None
         return out.reshape(shape)
+
+    def _read_into(self, t, buf: torch.Tensor):
+        with open(self.path, "rb") as f:
+            f.seek(t.data_offset)
+            if f.readinto(buf.numpy()) != t.n_bytes:
+                raise ModelFormatError(f"{self.path}: truncated GGUF file (tensor {t.name})")

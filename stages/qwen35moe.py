@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention
-from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
+from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -220,29 +220,48 @@ class DeltaNetMixer:
         c = self.cfg
         return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.qkv.dtype)
 
+    def _heads(self, mixed: torch.Tensor):
+        """Split conv output [n, conv_dim] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
+        c, n = self.cfg, mixed.shape[0]
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        # Tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave).
+        repeat = c.n_v_heads // c.n_k_heads
+        q = _l2norm(q.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
+        k = _l2norm(k.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
+        return q, k, v.reshape(n, c.n_v_heads, c.v_head_dim)
+
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c = self.cfg
         qkv = F.linear(x, self.qkv)
         z = F.linear(x, self.z)
         beta = torch.sigmoid(F.linear(x, self.beta).float())
         g = self.a * F.softplus(F.linear(x, self.alpha).float() + self.dt_bias)
-        repeat = c.n_v_heads // c.n_k_heads
-        outs = []
+        y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim)
+        singles = []
         for sid, rows, _ in ctx.batch.segments():
             cache = ctx.caches[sid][layer]
+            if rows.stop - rows.start == 1:
+                singles.append((rows.start, cache))
+                continue
             mixed, cache.conv = causal_conv1d(qkv[rows], self.conv, cache.conv)
-            n = mixed.shape[0]
-            q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-            # Tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave).
-            q = _l2norm(q.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
-            k = _l2norm(k.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
-            v = v.reshape(n, c.n_v_heads, c.v_head_dim)
-            rule = delta_rule_chunked if n >= CHUNKED_PREFILL_MIN else delta_rule_recurrent
-            y, cache.state = rule(q, k, v, g[rows], beta[rows], cache.state)
-            outs.append(y)
-        y = torch.cat(outs).to(x.dtype)
-        y = gated_rms_norm(y, z.view(y.shape), self.norm, c.rms_eps)
+            q, k, v = self._heads(mixed)
+            rule = delta_rule_chunked if mixed.shape[0] >= CHUNKED_PREFILL_MIN else delta_rule_recurrent
+            y[rows], cache.state = rule(q, k, v, g[rows], beta[rows], cache.state)
+        if singles:
+            self._decode_step(qkv, g, beta, singles, y)
+        y = gated_rms_norm(y.to(x.dtype), z.view(y.shape), self.norm, c.rms_eps)
         return F.linear(y.reshape(x.shape[0], c.value_dim), self.out)
+
+    def _decode_step(self, qkv, g, beta, singles, y):
+        """One token for each of several sequences at once: their states are stacked for the step."""
+        idx = torch.tensor([row for row, _ in singles])
+        caches = [cache for _, cache in singles]
+        mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, torch.stack([ch.conv for ch in caches]))
+        q, k, v = self._heads(mixed[:, 0])
+        state = torch.stack([ch.state for ch in caches])
+        y[idx] = delta_rule_step(q * self.cfg.k_head_dim ** -0.5, k, v.float(), g[idx], beta[idx], state)
+        for i, ch in enumerate(caches):
+            ch.conv, ch.state = conv[i], state[i]
 
 
 class GatedAttentionMixer:

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the serving app (GET /metrics), in a registry of its own.
+
+Latencies are measured where the tokens reach the server (the ingress replica): time to first
+token from the request's arrival, inter-token latency between consecutive tokens of a request.
+Queue length and cache slot use are read from the coordinator when /metrics is scraped.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120, 300)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model: str):
+        r = self.registry = CollectorRegistry()
+        labels = {"model": model}
+        self.requests = Counter("raymoe_requests", "API requests answered, by endpoint and status code",
+                                ["model", "endpoint", "status"], registry=r)
+        self.finished = Counter("raymoe_requests_finished", "Generations ended, by finish reason "
+                                "(abort: the client went away or cancelled)", ["model", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("raymoe_prompt_tokens", "Prompt tokens processed", ["model"],
+                                     registry=r).labels(**labels)
+        self.generation_tokens = Counter("raymoe_generation_tokens", "Tokens generated", ["model"],
+                                         registry=r).labels(**labels)
+        self.ttft = Histogram("raymoe_time_to_first_token_seconds", "From a request's arrival to its first token",
+                              ["model"], buckets=TTFT_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram("raymoe_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             ["model"], buckets=ITL_BUCKETS, registry=r).labels(**labels)
+        self.latency = Histogram("raymoe_request_latency_seconds", "From a request's arrival to its last token",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.in_flight = Gauge("raymoe_requests_in_flight", "Generations being served now", ["model"],
+                               registry=r).labels(**labels)
+        self.queue_length = Gauge("raymoe_queue_length", "Sequences waiting because every cache slot of their "
+                                  "micro-batch group is taken", ["model"], registry=r).labels(**labels)
+        self.queue_limit = Gauge("raymoe_queue_limit", "Bounded queue size; beyond it requests get 503 "
+                                 "(-1: unbounded)", ["model"], registry=r).labels(**labels)
+        self.waiting = Gauge("raymoe_sequences_waiting", "Sequences submitted and not yet scheduled", ["model"],
+                             registry=r).labels(**labels)
+        self.slots_used = Gauge("raymoe_cache_slots_used", "Sequences holding cache slots (running)", ["model"],
+                                registry=r).labels(**labels)
+        self.slots_total = Gauge("raymoe_cache_slots_total", "Sequences that can hold cache slots at once",
+                                 ["model"], registry=r).labels(**labels)
+        self.model = model
+
+    def answered(self, endpoint: str, status: int):
+        self.requests.labels(model=self.model, endpoint=endpoint, status=str(status)).inc()
+
+    def done(self, finish_reason: str, result: dict | None, elapsed: float):
+        self.finished.labels(model=self.model, finish_reason=finish_reason or "unknown").inc()
+        if result and "usage" in result:
+            self.prompt_tokens.inc(result["usage"]["prompt_tokens"])
+            self.generation_tokens.inc(result["usage"]["completion_tokens"])
+        self.latency.observe(elapsed)
+
+    def set_load(self, load: dict):
+        self.queue_length.set(load["queued"])
+        self.queue_limit.set(-1 if load["max_queued"] is None else load["max_queued"])
+        self.waiting.set(load["waiting"])
+        self.slots_used.set(load["running"])
+        self.slots_total.set(load["slots"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """{"name{labels}": value} of a Prometheus text page (for tests and the benchmark)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

@@ -1,0 +1,434 @@
+"""The OpenAI-compatible protocol: request bodies in, engine requests out; engine results in,
+response bodies and server-sent-event chunks out. No Ray and no web framework here.
+
+An engine request is a deploy.generate JSONL line with the prompt already tokenized
+(`prompt_token_ids`), so the server's tokens equal the batch job's for the same seed.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from stages.errors import RequestError
+from stages.requests import check_prompt, prompt_ids
+from stages.sampling import SamplingParams
+
+STATUS_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
+                503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or STATUS_TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def request_error(e: RequestError, default_param: str | None = None) -> APIError:
+    """A RequestError from the engine as a 400, naming the parameter when the message does."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    param = first if first in SAMPLING_PARAMS or first in ("prompt", "prompt_token_ids", "messages") else default_param
+    return APIError(400, message, param=param)
+
+
+SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs")
+
+
+@dataclass
+class Prepared:
+    """One validated API request."""
+    kind: str                          # "completion" or "chat"
+    id: str
+    model: str
+    prompt_ids: list[int]
+    engine_request: dict               # prompt_token_ids + sampling values, for ClusterEngine.submit
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
+    return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _bool(body: dict, name: str, default=False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _unsupported(body: dict, name: str, allowed=(None,)):
+    value = body.get(name)
+    if value not in allowed and not (isinstance(value, (list, dict)) and not value):
+        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
+
+
+def _common(body: dict, served_model: str):
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {model!r}", param="model")
+    if model and model != served_model:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
+                            f"(see GET /v1/models)", param="model", code="model_not_found")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise APIError(400, f"n must be 1 (one choice per request), got {n!r}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported by this server (got {body.get(name)!r})", param=name)
+    _unsupported(body, "logit_bias")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if not isinstance(options, dict):
+            raise APIError(400, "stream_options must be an object", param="stream_options")
+        include_usage = _bool(options, "include_usage")
+    return stream, include_usage
+
+
+def _sampling(body: dict, max_tokens) -> dict:
+    out = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    return out
+
+
+def _check_length(ids: list[int], context_length: int, vocab: int, param: str):
+    if len(ids) >= context_length:
+        raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
+                            f"prompt has {len(ids)} tokens (at most {context_length - 1} fit, leaving room for "
+                            f"one generated token).", param=param, code="context_length_exceeded")
+    try:
+        check_prompt(ids, vocab, context_length)
+    except RequestError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+def _validate_sampling(request: dict):
+    try:
+        SamplingParams.from_dict(request)
+    except RequestError as e:
+        raise request_error(e) from None
+    except TypeError as e:
+        raise APIError(400, f"bad sampling parameter: {e}") from None
+
+
+def parse_completion(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
+    """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
+    stream, include_usage = _common(body, served_model)
+    _unsupported(body, "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise APIError(400, f"best_of must be 1, got {body.get('best_of')!r}", param="best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]            # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
+    else:
+        raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+    _check_length(ids, context_length, vocab, "prompt")
+    echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    max_tokens = body.get("max_tokens", 16)
+    request = {"prompt_token_ids": ids, **_sampling(body, 16 if max_tokens is None else max_tokens)}
+    if logprobs is not None:
+        request["logprobs"] = logprobs
+        if echo:
+            request["prompt_logprobs"] = logprobs
+    _validate_sampling(request)
+    return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
+                    include_usage=include_usage, echo=echo, logprobs=logprobs,
+                    return_token_ids=_bool(body, "return_token_ids"))
+
+
+def _message_content(message, i: int):
+    """OpenAI content: a string, or a list of text parts (joined)."""
+    if not isinstance(message, dict):
+        raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    return {**message, "content": content}
+
+
+def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
+    """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
+    stream, include_usage = _common(body, served_model)
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        _unsupported(body, name, allowed=(None, "none"))
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    messages = [_message_content(m, i) for i, m in enumerate(messages)]
+    try:
+        ids = prompt_ids({"messages": messages}, tokenizer)
+    except RequestError as e:
+        raise APIError(400, str(e), param="messages") from None
+    _check_length(ids, context_length, vocab, "messages")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # no limit given: generate until the model stops or the context is full (as OpenAI does)
+    request = {"prompt_token_ids": ids, **_sampling(body, context_length if max_tokens is None else max_tokens)}
+    logprobs = None
+    if _bool(body, "logprobs"):
+        logprobs = body.get("top_logprobs") or 0
+        request["logprobs"] = logprobs
+    elif body.get("top_logprobs") is not None:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    _validate_sampling(request)
+    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
+                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"))
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """Token ids as the strings OpenAI's logprobs show (each token decoded alone)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(entries: list, token_text: TokenText, offset: int) -> dict:
+    """The legacy completions shape; entries are the engine's {"token_id", "logprob", "top"} (or None for
+    the first prompt token). `offset` is where the first token's text starts in the choice's text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        if entry is None:
+            continue
+        text = token_text(entry["token_id"])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry["logprob"])
+        out["top_logprobs"].append({token_text(t): lp for t, lp in entry["top"]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _prompt_logprobs(entries: list, prompt_ids: list[int], token_text: TokenText) -> dict:
+    """echo with logprobs: the prompt's tokens first, the first one without a logprob."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        text = token_text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if entry is None else entry["logprob"])
+        out["top_logprobs"].append(None if entry is None else {token_text(t): lp for t, lp in entry["top"]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _merge_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def chat_logprobs(entries: list, token_text: TokenText) -> dict:
+    def item(token_id, logprob):
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                        for e in entries], "refusal": None}
+
+
+def check_result(result: dict):
+    if "error" in result:
+        raise APIError(500, f"generation failed: {result['error']}")
+
+
+def completion_response(p: Prepared, result: dict, token_text: TokenText, prompt_text: str | None) -> dict:
+    """The non-streamed body. prompt_text: the decoded prompt (for echo)."""
+    check_result(result)
+    text = result["text"]
+    logprobs = None
+    if p.logprobs is not None:
+        start = len(prompt_text) if p.echo else 0
+        logprobs = completion_logprobs(result["logprobs"], token_text, start)
+        if p.echo:
+            logprobs = _merge_logprobs(_prompt_logprobs(result["prompt_logprobs"], p.prompt_ids, token_text), logprobs)
+    if p.echo:
+        text = prompt_text + text
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result["finish_reason"]}
+    if p.return_token_ids:
+        choice.update(prompt_token_ids=result["prompt_token_ids"], token_ids=result["token_ids"])
+    return {"id": p.id, "object": "text_completion", "created": p.created, "model": p.model, "choices": [choice],
+            "usage": usage(**result["usage"])}
+
+
+def chat_response(p: Prepared, result: dict, token_text: TokenText) -> dict:
+    check_result(result)
+    choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
+              "logprobs": chat_logprobs(result["logprobs"], token_text) if p.logprobs is not None else None,
+              "finish_reason": result["finish_reason"]}
+    if p.return_token_ids:
+        choice.update(prompt_token_ids=result["prompt_token_ids"], token_ids=result["token_ids"])
+    return {"id": p.id, "object": "chat.completion", "created": p.created, "model": p.model, "choices": [choice],
+            "usage": usage(**result["usage"])}
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+
+class TextDeltas:
+    """The engine reports the whole text so far; a client wants pieces whose concatenation is the
+    final text. Two things at the end of the text may still change, so they are held back:
+    an incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives) and a tail that
+    could be the start of a stop string (the final text is cut before a stop string)."""
+
+    def __init__(self, stops: list[str] | None = None):
+        self.stops = [s for s in (stops or []) if s]
+        self.sent = ""
+
+    def _stable_length(self, text: str) -> int:
+        n = len(text)
+        while n and text[n - 1] == "\ufffd":
+            n -= 1
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, n), 0, -1):
+                if text.endswith(stop[:k], 0, n):
+                    hold = max(hold, k)
+                    break
+        return n - hold
+
+    def update(self, text: str) -> str:
+        if not text.startswith(self.sent):
+            return ""                   # not stable yet after all: wait for more (or the final text)
+        n = self._stable_length(text)
+        if n <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):n], text[:n]
+        return delta
+
+    def final(self, text: str) -> str:
+        """The rest of the final text. (Were the text sent so far not its prefix, the concatenation
+        could not be right; the held-back tail above exists so that this never happens.)"""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class StreamFormatter:
+    """Chunks of one streamed completion or chat completion, in OpenAI's shapes."""
+
+    def __init__(self, p: Prepared, token_text: TokenText, prompt_text: str = ""):
+        self.p, self.token_text, self.prompt_text = p, token_text, prompt_text
+        stop = p.engine_request.get("stop") or []
+        self.deltas = TextDeltas([stop] if isinstance(stop, str) else stop)
+        self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
+        self.started = False
+
+    def _chunk(self, choice: dict) -> dict:
+        obj = "chat.completion.chunk" if self.p.kind == "chat" else "text_completion"
+        chunk = {"id": self.p.id, "object": obj, "created": self.p.created, "model": self.p.model,
+                 "choices": [{"index": 0, **choice}]}
+        if self.p.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start(self) -> list[dict]:
+        """Chunks to send before any token: the assistant role (chat) or the echoed prompt."""
+        self.started = True
+        if self.p.kind == "chat":
+            return [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})]
+        if self.p.echo:
+            choice = {"text": self.prompt_text, "logprobs": None, "finish_reason": None}
+            if self.p.return_token_ids:
+                choice["prompt_token_ids"] = self.p.prompt_ids
+            return [self._chunk(choice)]
+        return []
+
+    def _logprobs(self, entries):
+        if self.p.logprobs is None or not entries:
+            return None
+        if self.p.kind == "chat":
+            return chat_logprobs(entries, self.token_text)
+        out = completion_logprobs(entries, self.token_text, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _content(self, delta_text: str, token_ids: list[int], logprobs_entries) -> dict | None:
+        if not delta_text and not token_ids:
+            return None
+        lp = self._logprobs(logprobs_entries)
+        if self.p.kind == "chat":
+            choice = {"delta": {"content": delta_text}, "logprobs": lp, "finish_reason": None}
+        else:
+            choice = {"text": delta_text, "logprobs": lp, "finish_reason": None}
+        if self.p.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return self._chunk(choice)
+
+    def update(self, update: dict) -> list[dict]:
+        """Chunks for one engine update ({"token_ids", "text", "logprobs"}, maybe "finished")."""
+        out = [] if self.started else self.start()
+        if "finished" in update:
+            result = update["finished"]
+            check_result(result)
+            chunk = self._content(self.deltas.final(result["text"]), update["token_ids"], update.get("logprobs"))
+            if chunk:
+                out.append(chunk)
+            empty = {"delta": {}} if self.p.kind == "chat" else {"text": ""}
+            out.append(self._chunk({**empty, "logprobs": None, "finish_reason": result["finish_reason"]}))
+            if self.p.include_usage:
+                out.append({"id": self.p.id, "object": out[-1]["object"], "created": self.p.created,
+                            "model": self.p.model, "choices": [], "usage": usage(**result["usage"])})
+            return out
+        chunk = self._content(self.deltas.update(update["text"]), update["token_ids"], update.get("logprobs"))
+        if chunk:
+            out.append(chunk)
+        return out
+
+
+def models_response(served_model: str, context_length: int, created: int) -> dict:
+    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
+                                        "owned_by": "raymoe", "max_model_len": context_length}]}

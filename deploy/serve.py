@@ -1,0 +1,393 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP API and the gRPC service of protos/,
+both over one pipeline (a coordinator and its PP stage actors, optionally expert actors).
+
+    python -m deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000]
+    serve run deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI
+    serve deploy deploy/configs/serve.yaml                              # or from a Serve config
+
+HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
+events), GET /health, GET /metrics (Prometheus). gRPC (through Serve's gRPC proxy): raymoe.Raymoe
+with Generate, GenerateStream, ListModels, Health.
+
+The app tokenizes prompts itself and submits token ids, so a seeded request gives exactly the
+tokens deploy.generate gives for the same line. A client that disconnects or cancels frees its
+sequence at once; when more than `max_queued` sequences wait for a cache slot, new requests get
+503 (HTTP) / RESOURCE_EXHAUSTED (gRPC).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from time import perf_counter
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+
+from deploy.metrics import ServerMetrics
+from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, TokenText, chat_response, completion_response,
+                               models_response, parse_chat, parse_completion, request_error, sse)
+from protos.servicer import RaymoeServicer
+from stages.errors import RaymoeError, RequestError
+
+log = logging.getLogger("raymoe.serve")
+GRPC_SERVICER_FUNCTIONS = ["protos.raymoe_pb2_grpc.add_RaymoeServicer_to_server"]
+APP_NAME = "raymoe"
+
+
+class ServeArgs(BaseModel):
+    """Arguments of the application (`serve run deploy.serve:app_builder key=value ...`, or `args:` in a
+    Serve config). The pipeline ones are ClusterEngine's."""
+    model: str = "tiny-qwen35moe"
+    served_model_name: str | None = None      # the name clients send as "model" (default: model)
+    pp: int = 1
+    ep: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    transport: str = "object_store"
+    threads: int | None = None
+    split: list[int] | None = None
+    microbatches: int = 4
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    max_running: int = 64                     # sequences holding cache slots at once
+    max_queued: int | None = 256              # sequences waiting for a slot before 503; None: unbounded
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class Generation:
+    """One submitted sequence: its updates as they come, with the latency metrics; abort() cancels
+    it in the coordinator (a no-op once it finished)."""
+
+    def __init__(self, serving: Serving, seq_id: int, arrived: float):
+        self.serving, self.seq_id, self.arrived = serving, seq_id, arrived
+        self.done = False
+        self.last_token_at: float | None = None
+        serving.metrics.in_flight.inc()
+
+    async def updates(self):
+        m = self.serving.metrics
+        async for update in self.serving.engine.stream(self.seq_id):
+            now = perf_counter()
+            n = len(update["token_ids"])
+            if n:
+                if self.last_token_at is None:
+                    m.ttft.observe(now - self.arrived)
+                else:
+                    for _ in range(n):
+                        m.itl.observe((now - self.last_token_at) / n)
+                self.last_token_at = now
+            if "finished" in update:
+                self._close(update["finished"].get("finish_reason") or "error", update["finished"])
+            yield update
+            if self.done:
+                return
+
+    async def result(self) -> dict:
+        async for update in self.updates():
+            if "finished" in update:
+                return update["finished"]
+        raise APIError(500, "the stream ended without a result")
+
+    def _close(self, reason: str, result: dict | None):
+        if not self.done:
+            self.done = True
+            self.serving.metrics.in_flight.dec()
+            self.serving.metrics.done(reason, result, perf_counter() - self.arrived)
+
+    def abort(self):
+        if not self.done:
+            self.serving.engine.cancel(self.seq_id)
+            self._close("abort", None)
+
+
+class Serving:
+    """What the HTTP routes and the gRPC methods share: the engine, tokenizer and metrics."""
+
+    def __init__(self, args: ServeArgs):
+        from cluster.engine import ClusterEngine
+        self.args = args
+        self.engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
+                                    threads=args.threads, split=args.split, microbatches=args.microbatches,
+                                    max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
+                                    max_running=args.max_running, device=args.device, max_queued=args.max_queued)
+        self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
+        self.model_name = args.name
+        self.context_length, self.vocab = self.config.context_length, self.config.vocab
+        self.token_text = TokenText(self.tokenizer)
+        self.metrics = ServerMetrics(self.model_name)
+        self.created = int(time.time())
+
+    async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
+        """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""
+        from cluster.engine import QueueFullError
+        submitting = asyncio.ensure_future(self.engine.submit_async(request_id, engine_request))
+        try:
+            seq_id = await asyncio.shield(submitting)
+        except asyncio.CancelledError:       # the client went away while submitting: cancel once submitted
+            submitting.add_done_callback(self._cancel_when_submitted)
+            raise
+        except RequestError as e:
+            raise request_error(e) from None
+        except QueueFullError as e:
+            raise APIError(503, str(e), code="queue_full") from None
+        except RaymoeError as e:
+            raise APIError(503, f"the pipeline is unavailable: {e}", code="unavailable") from None
+        except Exception as e:   # the coordinator gave up (see Coordinator.error) or died
+            raise APIError(503, f"the pipeline is unavailable: {type(e).__name__}: {e}", code="unavailable") from None
+        return Generation(self, seq_id, arrived)
+
+    def _cancel_when_submitted(self, task):
+        if not task.cancelled() and task.exception() is None:
+            self.engine.cancel(task.result())
+
+    async def load(self, timeout: float = 10.0) -> dict:
+        load = await asyncio.wait_for(self.engine.load_async(), timeout)
+        self.metrics.set_load(load)
+        return load
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events of one generation; however the response ends (finished, client gone,
+    task cancelled), the sequence is freed."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort()
+
+
+api = FastAPI(title="raymoe", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request, e: APIError):
+    return error_response(e)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request, e: Exception):
+    log.exception("unhandled error")
+    return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+@serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+@serve.ingress(api)
+class RaymoeServer(RaymoeServicer):
+    """The ingress: one replica per pipeline (the pipeline's actors are its children)."""
+
+    def __init__(self, args: dict | ServeArgs):
+        self.serving = Serving(args if isinstance(args, ServeArgs) else ServeArgs(**args))
+
+    # ---- HTTP -------------------------------------------------------------------------------------
+    @api.get("/v1/models")
+    async def list_models(self):
+        s = self.serving
+        s.metrics.answered("models", 200)
+        return models_response(s.model_name, s.context_length, s.created)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate("completions", request, parse_completion)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate("chat", request, parse_chat)
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            load = await self.serving.load()
+        except Exception as e:
+            return error_response(APIError(503, f"unhealthy: {type(e).__name__}: {e}", code="unhealthy"))
+        return {"status": "ok", "model": self.serving.model_name, **load}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        try:
+            await self.serving.load(timeout=5)
+        except Exception:
+            pass                   # the gauges keep their last values
+        return Response(self.serving.metrics.render(), media_type=self.serving.metrics.content_type)
+
+    async def _generate(self, endpoint: str, request: Request, parse):
+        s = self.serving
+        arrived = perf_counter()
+        try:
+            try:
+                body = json.loads(await request.body() or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"the request body is not valid JSON ({e})") from None
+            p = parse(body, s.model_name, s.tokenizer, s.context_length, s.vocab)
+            generation = await s.start(p.id, p.engine_request, arrived)
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        try:
+            prompt_text = s.tokenizer.decode(p.prompt_ids) if p.echo else ""
+            if p.stream:
+                response = GenerationStream(self._events(p, generation, prompt_text), generation)
+                s.metrics.answered(endpoint, 200)
+                return response
+            result = await generation.result()
+            if p.kind == "chat":
+                body = chat_response(p, result, s.token_text)
+            else:
+                body = completion_response(p, result, s.token_text, prompt_text)
+            s.metrics.answered(endpoint, 200)
+            return JSONResponse(body)
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        finally:
+            if not p.stream:
+                generation.abort()     # the client went away (this task was cancelled) or it failed
+
+    async def _events(self, p, generation: Generation, prompt_text: str):
+        formatter = StreamFormatter(p, self.serving.token_text, prompt_text)
+        try:
+            for chunk in formatter.start():
+                yield sse(chunk)
+            async for update in generation.updates():
+                for chunk in formatter.update(update):
+                    yield sse(chunk)
+        except APIError as e:
+            yield sse(e.body())
+        except Exception as e:     # the pipeline failed mid-stream: say so in the stream
+            log.exception("stream failed")
+            yield sse(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
+        yield SSE_DONE
+
+    # ---- Serve hooks -------------------------------------------------------------------------------
+    async def check_health(self):
+        await self.serving.load(timeout=30)    # raises when the coordinator is gone or gave up
+
+    def __del__(self):
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            self.serving = None
+            serving.shutdown()
+
+
+def app_builder(args: ServeArgs):
+    """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
+    if isinstance(args, dict):
+        args = ServeArgs(**args)
+    return RaymoeServer.bind(args.model_dump())
+
+
+# ---- python -m deploy.serve -------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m deploy.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
+    p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
+    p.add_argument("--max-running", type=int, default=64, help="sequences holding cache slots at once")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="sequences that may wait for a slot; beyond that requests get 503 (-1: unbounded)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port (0: no gRPC)")
+    p.add_argument("--app-name", default=APP_NAME, help="the Serve application's name")
+    return p.parse_args(argv)
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM."""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    serve_args = ServeArgs(model=args.model, served_model_name=args.served_model_name, pp=args.pp, ep=args.ep,
+                           dtype=args.dtype, device=args.device, transport=args.transport, threads=args.threads,
+                           microbatches=args.microbatches, max_running=args.max_running,
+                           max_queued=None if args.max_queued < 0 else args.max_queued)
+    try:                          # fail fast, before starting anything, on a bad model
+        from stages.loader import open_model
+        open_model(args.model)
+    except RaymoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    stopping = []
+
+    def on_signal(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise _Stop()
+
+    import ray
+
+    from cluster.engine import connect_ray
+    ray_was_up = ray.is_initialized()
+    # interruptible from here on (Ray's own startup installs no handlers after this point)
+    connect_ray(args.pp * (1 + args.ep))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    started_serve = False
+    code = 0
+    try:
+        grpc = {"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS} if args.grpc_port else None
+        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
+        started_serve = True
+        serve.run(app_builder(serve_args), name=args.app_name, route_prefix="/")
+        grpc_text = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
+        print(f"serving {serve_args.name} (pp={args.pp}) on http://{args.host}:{args.port}{grpc_text}; "
+              f"Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except _Stop:
+        pass
+    except Exception as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):      # a second signal no longer interrupts the cleanup
+            signal.signal(sig, signal.SIG_IGN)
+        print("shutting down", file=sys.stderr, flush=True)
+        if started_serve:
+            try:
+                if ray_was_up or os.environ.get("RAY_ADDRESS"):
+                    serve.delete(args.app_name)            # a shared cluster: remove only what we added
+                else:
+                    serve.shutdown()
+            except Exception as e:
+                print(f"warning: serve shutdown: {e}", file=sys.stderr)
+        if not ray_was_up:
+            ray.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

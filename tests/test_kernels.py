@@ -1,0 +1,133 @@
+"""Kernel numerics against transformers' reference functions and naive formulas."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+from kernels.attention import attention
+from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
+from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, run_experts
+from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, section_ids
+
+
+def delta_inputs(T, H=4, dk=16, dv=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(T, H, dk, generator=g), dim=-1)
+    k = F.normalize(torch.randn(T, H, dk, generator=g), dim=-1)
+    v = torch.randn(T, H, dv, generator=g)
+    decay = -torch.rand(T, H, generator=g) * 2
+    beta = torch.rand(T, H, generator=g)
+    state = torch.randn(H, dk, dv, generator=g)
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 150])
+def test_chunked_delta_rule_equals_recurrent(T):
+    q, k, v, g, b, s = delta_inputs(T)
+    y_rec, s_rec = delta_rule_recurrent(q, k, v, g, b, s.clone())
+    y_chk, s_chk = delta_rule_chunked(q, k, v, g, b, s.clone())
+    assert torch.allclose(y_rec, y_chk, atol=1e-5, rtol=0)
+    assert torch.allclose(s_rec, s_chk, atol=1e-5, rtol=0)
+
+
+def test_recurrent_delta_rule_matches_transformers():
+    q, k, v, g, b, s = delta_inputs(40)
+    ours, state = delta_rule_recurrent(q, k, v, g, b, s.clone())
+    ref, ref_state = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], b[None],
+                                                         initial_state=s[None], output_final_state=True)
+    assert torch.allclose(ours, ref[0], atol=1e-5) and torch.allclose(state, ref_state[0], atol=1e-5)
+
+
+def test_chunked_prefill_continues_from_carried_state():
+    q, k, v, g, b, s = delta_inputs(100)
+    whole, s_whole = delta_rule_chunked(q, k, v, g, b, s.clone())
+    first, s_mid = delta_rule_chunked(q[:37], k[:37], v[:37], g[:37], b[:37], s.clone())
+    second, s_end = delta_rule_chunked(q[37:], k[37:], v[37:], g[37:], b[37:], s_mid)
+    assert torch.allclose(torch.cat((first, second)), whole, atol=1e-5) and torch.allclose(s_end, s_whole, atol=1e-5)
+
+
+def test_batched_step_equals_one_sequence_at_a_time():
+    seqs = [delta_inputs(1, seed=i) for i in range(3)]
+    stacked = torch.stack([s[5] for s in seqs])
+    y = delta_rule_step(*(torch.cat([s[i] for s in seqs]) for i in range(5)), stacked)
+    for i, (q, k, v, g, b, s) in enumerate(seqs):
+        one = delta_rule_step(q[0], k[0], v[0], g[0], b[0], s.clone())
+        assert torch.allclose(y[i], one, atol=1e-6)
+
+
+def test_causal_conv_with_carried_state_equals_full_conv():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(30, 12, generator=g), torch.randn(12, 4, generator=g)
+    ref = hf.causal_conv1d_fn(x.T[None], w, None, activation="silu")[0].T
+    state = torch.zeros(3, 12)
+    parts = []
+    for a, b in [(0, 1), (1, 11), (11, 12), (12, 30)]:
+        y, state = causal_conv1d(x[a:b], w, state)
+        parts.append(y)
+    assert torch.allclose(torch.cat(parts), ref, atol=1e-6)
+    batched, _ = causal_conv1d(x[None, 5:6].expand(2, 1, 12), w, torch.stack([x[2:5], x[2:5]]))
+    assert torch.allclose(batched[0, 0], ref[5], atol=1e-6)
+
+
+def naive_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None):
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.zeros(q.shape[0], hq, v.shape[-1])
+    for t in range(q.shape[0]):
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            logits = []
+            for j in range(k.shape[0]):
+                visible = k_pos[j] <= q_pos[t] and (window is None or k_pos[j] > q_pos[t] - window)
+                logits.append(float(q[t, h] @ k[j, kh]) * scale if visible else -math.inf)
+            logits = torch.tensor(logits + ([float(sinks[h])] if sinks is not None else []))
+            p = torch.softmax(logits, 0)[:k.shape[0]]
+            out[t, h] = p @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (4, False), (None, True), (3, True)])
+def test_attention_gqa_window_sinks(window, with_sinks):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 6, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    q_pos, k_pos = torch.arange(4, 9), torch.arange(9)
+    sinks = torch.randn(6, generator=g) if with_sinks else None
+    ours = attention(q, k, v, q_pos, k_pos, 0.3, window=window, sinks=sinks)
+    assert torch.allclose(ours, naive_attention(q, k, v, q_pos, k_pos, 0.3, window, sinks), atol=1e-5)
+
+
+def test_multi_section_rope_equals_partial_rope_for_text_positions():
+    inv = inv_frequencies(1e6, 16)
+    pos = torch.arange(7)
+    plain = rope_cos_sin(pos, inv)
+    multi = rope_cos_sin(torch.stack([pos, pos, pos]), inv, sections=section_ids([3, 3, 2], 8))
+    assert torch.equal(plain[0], multi[0]) and torch.equal(plain[1], multi[1])
+    different = rope_cos_sin(torch.stack([pos, pos * 2, pos * 3]), inv, sections=section_ids([3, 3, 2], 8))
+    assert not torch.allclose(plain[0], different[0])
+    # HF's interleaved M-RoPE layout, rebuilt from its recomposition rule
+    x = torch.randn(7, 2, 32)
+    cos, sin = plain
+    ref_q, _ = hf.apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.allclose(apply_rope(x, cos, sin), ref_q[0].transpose(0, 1), atol=1e-6)
+
+
+def test_moe_grouped_experts_and_expert_slices():
+    g = torch.Generator().manual_seed(2)
+    T, H, Fe, E, k = 11, 8, 6, 5, 2
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * Fe, H, generator=g), torch.randn(E, H, Fe, generator=g)
+    weights, ids = route_softmax_topk(torch.randn(T, E, generator=g), k)
+    assert torch.allclose(weights.sum(-1), torch.ones(T))
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            gu = gate_up[ids[t, j]] @ x[t]
+            ref[t] += weights[t, j] * (down[ids[t, j]] @ (F.silu(gu[:Fe]) * gu[Fe:]))
+    full = run_experts(x, weights, ids, gate_up, down)
+    assert torch.allclose(full, ref, atol=1e-5)
+    # experts split over two holders (expert parallelism) give the identical result
+    parts = [expert_slot_outputs(x, ids, gate_up[r.start:r.stop], down[r.start:r.stop], experts=r)
+             for r in (range(0, 2), range(2, 5))]
+    split = combine_slots(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), weights)
+    assert torch.equal(split, full)
