@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test run test bench bench-serve serve protos clean
+.PHONY: setup setup-test run test bench bench-deps bench-serve serve protos clean
 
 # installing also generates the gRPC stubs from protos/*.proto (setup.py)
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/*.proto)
@@ -27,8 +27,12 @@ run: setup
 test: setup-test
 	$(PY) -m pytest
 
+bench-deps: setup-test
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+
 bench: setup-test
-	$(PY) -m deploy.bench
+	mkdir -p out
+	$(PY) -m deploy.bench --json out/bench.json --plot out/bench.png
 
 bench-serve: setup
 	$(PY) -m deploy.bench_serve

@@ -1,13 +1,16 @@
-"""Benchmark: raymoe against its peers on the same synthetic weights, and the cluster's scaling.
+"""Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m deploy.bench [--quick] [--json FILE] [--sections engines,pp,hops]
+    python -m deploy.bench [--quick] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops]
 
-Builds (once, cached) a qwen35moe of hidden 1024, 8 layers, 32 experts top-4, expert FF 512,
-then measures in one run:
-- engines: prefill tok/s (256-token prompt) and batch-1 decode tok/s, raymoe vs HF transformers;
-- pp: aggregate decode tok/s of PP=1, 2, 4 on the Ray cluster with 16 concurrent sequences,
-  and each stage actor's peak RSS next to its weight bytes;
-- hops: per-hop latency of each transport for a decode-sized and a prefill-sized activation,
+Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
+32 experts top-4, expert FF 512, 32k vocabulary (~450M parameters, ~90M active) as F32 and
+Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
+- engines: prefill tok/s (512-token prompt), batch-1 decode tok/s (128 tokens) and aggregate
+  decode tok/s with 16 concurrent sequences, for raymoe on each file, llama.cpp (through
+  llama-cpp-python, if installed: `make bench-deps`) on the same files, and HF transformers;
+- pp: aggregate decode tok/s of PP=1, 2, 4 on the Ray cluster with 16 sequences in flight,
+  each stage actor's peak RSS next to its weight bytes;
+- hops: per-hop latency of each transport for a decode- and a prefill-sized activation,
   next to a memcpy of the same bytes.
 Machines are noisy: only ratios measured in one run mean anything.
 """
@@ -21,30 +24,46 @@ import time
 
 import torch
 
-from deploy.make_tiny import CACHE_DIR, qwen35moe_config, qwen35moe_tensors
+from deploy.make_tiny import CACHE_DIR, gptoss_config, gptoss_tensors, qwen35moe_config, qwen35moe_tensors
 
-BENCH_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                   head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
-                   linear_num_value_heads=8, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
-                   shared_expert_intermediate_size=512, vocab_size=32000)
+QWEN_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
+                  linear_num_value_heads=8, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+                  shared_expert_intermediate_size=512, vocab_size=32000)
+GPTOSS_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=64, intermediate_size=512, num_local_experts=32, num_experts_per_tok=4,
+                    experts_per_token=4, sliding_window=128, vocab_size=32000,
+                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(8)])
+VOCAB = 32000
+THREADS = 2
 
 
-def bench_model_dir() -> str:
-    """HF directory of the bench model (config, safetensors, tiny tokenizer), built on first use."""
+def build_model(name: str, arch: str, make_config, make_tensors, shape: dict, gguf_types: list[str]) -> dict:
+    """{"hf": dir, "<type>": gguf path} for a bench model, built once and cached."""
     from safetensors.torch import save_file
 
+    from deploy.convert import convert
     from deploy.tiny_tokenizer import build_tiny_tokenizer
 
-    path = os.path.join(CACHE_DIR, "bench-qwen35moe-v1")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        os.makedirs(path, exist_ok=True)
-        build_tiny_tokenizer(path, "qwen35moe")
-        config = {**qwen35moe_config(BENCH_SHAPE["vocab_size"]), **BENCH_SHAPE}
-        with open(os.path.join(path, "config.json"), "w") as f:
+    root = os.path.join(CACHE_DIR, f"bench-{name}-v2")
+    hf = os.path.join(root, "hf")
+    if not os.path.exists(os.path.join(hf, "model.safetensors")):
+        os.makedirs(hf, exist_ok=True)
+        print(f"building {name} ...", file=sys.stderr)
+        build_tiny_tokenizer(hf, arch)
+        config = {**make_config(shape["vocab_size"]), **shape}
+        with open(os.path.join(hf, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        save_file(qwen35moe_tensors(config, seed=0), os.path.join(path, "model.safetensors.tmp"))
-        os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
-    return path
+        save_file(make_tensors(config, 0), os.path.join(hf, "model.safetensors.tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(hf, "model.safetensors.tmp"), os.path.join(hf, "model.safetensors"))
+    files = {"hf": hf}
+    for kind in gguf_types:
+        path = os.path.join(root, f"{name}-{kind}.gguf")
+        if not os.path.exists(path):
+            print(f"converting {name} to {kind} ...", file=sys.stderr)
+            convert(hf, path, kind, progress=False)
+        files[kind] = path
+    return files
 
 
 def timed(fn) -> float:
@@ -53,33 +72,65 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_raymoe(path: str, prompt: list[int], n_decode: int) -> dict:
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- engines ---------------------------------------------------------------------------------
+
+def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, dtype=torch.float32) -> dict:
     from stages.engine import LocalEngine
     from stages.loader import open_model
     from stages.sampling import SamplingParams
+    from stages.scheduler import Scheduler
 
-    engine = LocalEngine(open_model(path))
+    engine = LocalEngine(open_model(path), dtype=dtype, scheduler=Scheduler(max_batch_tokens=n_prompt,
+                                                                            prefill_chunk=n_prompt))
     engine.eos_ids = set()
 
-    def generate(ids, n):
-        engine.add_request("b", ids, SamplingParams(max_tokens=n, temperature=0))
+    def generate(n_seqs, prompt_len, n):
+        for i in range(n_seqs):
+            engine.add_request(i, random_ids(prompt_len, i), SamplingParams(max_tokens=n, temperature=0))
         engine.run_until_done()
 
-    generate(prompt[:16], 2)                                   # warm-up
-    prefill = timed(lambda: generate(prompt, 1))
-    short = prompt[:8]
-    t_one = timed(lambda: generate(short, 1))
-    t_all = timed(lambda: generate(short, n_decode + 1))
-    return {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": n_decode / (t_all - t_one)}
+    generate(1, 16, 2)                                            # warm-up
+    prefill = timed(lambda: generate(1, n_prompt, 1))
+    one = timed(lambda: generate(1, 8, 1))
+    decode = timed(lambda: generate(1, 8, n_decode + 1)) - one
+    one_b = timed(lambda: generate(batch, 8, 1))
+    decode_b = timed(lambda: generate(batch, 8, n_decode // 4 + 1)) - one_b
+    return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode,
+            "batch16_tok_s": batch * (n_decode // 4) / decode_b}
 
 
-def bench_transformers(path: str, prompt: list[int], n_decode: int) -> dict:
-    from transformers import Qwen3_5MoeForCausalLM
+def bench_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt, n_threads=THREADS,
+                n_threads_batch=THREADS, verbose=False)
+    prompt = random_ids(n_prompt, 0)
+    llm.eval(prompt[:16])
+    llm.reset()
+    prefill = timed(lambda: llm.eval(prompt))
+    llm.reset()
+    llm.eval(prompt[:8])
+    token = prompt[8]
+
+    def decode():
+        for _ in range(n_decode):
+            llm.eval([token])
+    return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / timed(decode), "batch16_tok_s": None}
+
+
+def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([random_ids(n_prompt, 0)])
 
     def generate(x, n):
         with torch.inference_mode():
@@ -88,58 +139,87 @@ def bench_transformers(path: str, prompt: list[int], n_decode: int) -> dict:
     generate(ids[:, :16], 2)
     with torch.inference_mode():
         prefill = timed(lambda: model(ids))
-    short = ids[:, :8]
-    t_one = timed(lambda: generate(short, 1))
-    t_all = timed(lambda: generate(short, n_decode + 1))
-    return {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": n_decode / (t_all - t_one)}
+    one = timed(lambda: generate(ids[:, :8], 1))
+    decode = timed(lambda: generate(ids[:, :8], n_decode + 1)) - one
+    return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode, "batch16_tok_s": None}
 
 
-def bench_engines(path: str, quick: bool, threads: int) -> dict:
-    torch.set_num_threads(threads)
-    n_prompt, n_decode = (64, 16) if quick else (256, 128)
-    prompt = torch.randint(0, BENCH_SHAPE["vocab_size"], (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    results = {"raymoe-f32": bench_raymoe(path, prompt, n_decode),
-               "transformers-f32": bench_transformers(path, prompt, n_decode)}
-    ours, theirs = results["raymoe-f32"], results["transformers-f32"]
-    print(f"\n== engines: {threads} threads, prefill {n_prompt} tokens, batch-1 decode {n_decode} tokens")
-    print(f"{'engine':<20}{'prefill tok/s':>15}{'decode tok/s':>15}")
-    for name, r in results.items():
-        print(f"{name:<20}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.1f}")
-    print(f"{'raymoe / HF':<20}{ours['prefill_tok_s'] / theirs['prefill_tok_s']:>14.2f}x"
-          f"{ours['decode_tok_s'] / theirs['decode_tok_s']:>14.2f}x")
+def bench_engines(quick: bool) -> dict:
+    torch.set_num_threads(THREADS)
+    n_prompt, n_decode = (128, 32) if quick else (512, 128)
+    qwen = build_model("qwen35moe", "qwen35moe", qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32", "q8_0"])
+    oss = build_model("gptoss", "gptoss", gptoss_config, gptoss_tensors, GPTOSS_SHAPE, ["f32"])
+    runs = {
+        "raymoe-f32": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16),
+        "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16),
+        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, torch.bfloat16),
+        "llama.cpp-f32": lambda: bench_llama_cpp(qwen["f32"], n_prompt, n_decode),
+        "llama.cpp-q8_0": lambda: bench_llama_cpp(qwen["q8_0"], n_prompt, n_decode),
+        "transformers-f32": lambda: bench_transformers(qwen["hf"], n_prompt, n_decode),
+        "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16),
+        "llama.cpp-gptoss-mxfp4": lambda: bench_llama_cpp(oss["f32"], n_prompt, n_decode),
+    }
+    results = {}
+    print(f"\n== engines: {THREADS} threads; prefill {n_prompt} tokens, decode {n_decode} tokens, batch of 16")
+    print(f"{'engine':<26}{'prefill tok/s':>15}{'decode tok/s':>15}{'batch16 tok/s':>15}")
+    for name, run in runs.items():
+        r = run()
+        if r is None:
+            print(f"{name:<26}{'(llama-cpp-python not installed: make bench-deps)':>45}")
+            continue
+        results[name] = r
+        cells = [f"{r[k]:>15.1f}" if r[k] is not None else f"{'-':>15}"
+                 for k in ("prefill_tok_s", "decode_tok_s", "batch16_tok_s")]
+        print(f"{name:<26}" + "".join(cells))
+    print_ratios(results)
     return results
 
+
+def print_ratios(r: dict):
+    def ratio(a, b, key):
+        if a in r and b in r and r[a][key] and r[b][key]:
+            return f"{r[a][key] / r[b][key]:.2f}x"
+        return "n/a"
+    print("ratios (targets in parentheses):")
+    print(f"  decode  raymoe-f32 / llama.cpp-f32   {ratio('raymoe-f32', 'llama.cpp-f32', 'decode_tok_s')}  (>= 1.0)")
+    print(f"  decode  raymoe-q8_0 / llama.cpp-q8_0 {ratio('raymoe-q8_0', 'llama.cpp-q8_0', 'decode_tok_s')}  (>= 0.7)")
+    print(f"  prefill raymoe-f32 / llama.cpp-f32   {ratio('raymoe-f32', 'llama.cpp-f32', 'prefill_tok_s')}  (>= 1.5)")
+    if "raymoe-f32" in r:
+        x = r["raymoe-f32"]
+        print(f"  batch16 / batch-1 decode (raymoe-f32) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x  (>= 5)")
+    print(f"  decode  raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'decode_tok_s')}  (>= 2)")
+    print(f"  prefill raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'prefill_tok_s')}  (>= 1)")
+    print(f"  decode  raymoe-bf16 / llama.cpp-f32  {ratio('raymoe-bf16', 'llama.cpp-f32', 'decode_tok_s')}  "
+          "(approximate mode, for reference)")
+
+
+# ---- cluster ---------------------------------------------------------------------------------
 
 def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
     """Aggregate decode throughput of PP=1/2/4 with 16 concurrent sequences, and stage memory."""
     from cluster.engine import ClusterEngine
 
     n_seqs, n_tokens = 16, (8 if quick else 32)
-    g = torch.Generator().manual_seed(1)
-    requests = [(i, {"prompt_token_ids": torch.randint(0, BENCH_SHAPE["vocab_size"], (16,), generator=g).tolist(),
-                     "max_tokens": n_tokens, "temperature": 0}) for i in range(n_seqs)]
+    requests = [(i, {"prompt_token_ids": random_ids(16, i), "max_tokens": n_tokens, "temperature": 0})
+                for i in range(n_seqs)]
     tok_s, rss = {}, {}
     print(f"\n== pipeline: {n_seqs} sequences x {n_tokens} tokens, 1 torch thread per stage actor")
     for pp in (1, 2, 4):
         engine = ClusterEngine(path, pp=pp, threads=1)
         try:
-            engine.submit_many(requests[:pp])          # warm-up
-            done = 0
-            while done < pp:
-                done += len(engine.wait_finished(5))
-            start = time.perf_counter()
-            engine.submit_many(requests)
-            done = 0
-            while done < n_seqs:
-                done += len(engine.wait_finished(5))
+            for batch in (requests[:pp], requests):            # warm-up, then the measured run
+                start = time.perf_counter()
+                engine.submit_many(batch)
+                done = 0
+                while done < len(batch):
+                    done += len(engine.wait_finished(5))
             tok_s[str(pp)] = n_seqs * n_tokens / (time.perf_counter() - start)
-            stages = engine.stats()["stages"]
             rss[str(pp)] = [{"layers": s["layers"], "weights_mb": s["parameter_bytes"] / 2**20,
-                             "peak_rss_mb": s["peak_rss_bytes"] / 2**20} for s in stages]
+                             "peak_rss_mb": s["peak_rss_bytes"] / 2**20} for s in engine.stats()["stages"]]
         finally:
             engine.shutdown()
-        ratio = tok_s[str(pp)] / tok_s["1"]
-        print(f"PP={pp}: {tok_s[str(pp)]:8.1f} tok/s  ({ratio:.2f}x PP=1)   stage peak RSS / weights (MB): " +
+        print(f"PP={pp}: {tok_s[str(pp)]:8.1f} tok/s  ({tok_s[str(pp)] / tok_s['1']:.2f}x PP=1)   "
+              "stage peak RSS / weights (MB): " +
               ", ".join(f"{r['peak_rss_mb']:.0f}/{r['weights_mb']:.0f}" for r in rss[str(pp)]))
     return tok_s, rss
 
@@ -147,38 +227,61 @@ def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
 def bench_hops(quick: bool) -> dict:
     from cluster.hops import measure_hops
 
-    hidden = BENCH_SHAPE["hidden_size"]
+    hidden = QWEN_SHAPE["hidden_size"]
     hops = measure_hops({"decode 1x1024": (1, hidden), "prefill 512x1024": (512, hidden)}, 10 if quick else 30)
-    print("\n== transports: median per-hop time (ms), float32 activations")
+    print("\n== transports: median per-hop time (us), float32 activations")
     print(f"{'activation':<20}{'bytes':>10}{'memcpy':>10}{'object_store':>14}{'gloo':>10}")
     for name, h in hops.items():
-        print(f"{name:<20}{h['bytes']:>10}{h['memcpy_ms']:>10.3f}{h['object_store_ms']:>14.3f}{h['gloo_ms']:>10.3f}")
-    return hops
+        print(f"{name:<20}{h['bytes']:>10}{1000 * h['memcpy_ms']:>10.1f}{1000 * h['object_store_ms']:>14.1f}"
+              f"{1000 * h['gloo_ms']:>10.1f}")
+    return {name: {k.replace("_ms", "_us"): (v * 1000 if k.endswith("_ms") else v) for k, v in h.items()}
+            for name, h in hops.items()}
+
+
+def plot(report: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, r in report.get("engines", {}).items():
+        if name.startswith("raymoe") and r.get("batch16_tok_s"):
+            a.plot([1, 16], [r["decode_tok_s"], r["batch16_tok_s"]], marker="o", label=name)
+    a.set(xlabel="concurrent sequences", ylabel="decode tok/s", title="raymoe decode throughput", xscale="log")
+    a.legend()
+    pp = report.get("pp_tok_s", {})
+    b.bar(list(pp), list(pp.values()))
+    b.set(xlabel="pipeline stages (PP)", ylabel="aggregate tok/s (16 sequences)", title="pipeline scaling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, numbers are rough)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process engines")
+    p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")
     p.add_argument("--sections", default="engines,pp,hops")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
-    path = bench_model_dir()
-    print(f"qwen35moe hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000 ({path})")
+    print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000; "
+          f"{os.cpu_count()} cores")
     report = {}
     if "engines" in sections:
-        report["engines"] = bench_engines(path, args.quick, args.threads)
+        report["engines"] = bench_engines(args.quick)
     if sections & {"pp", "hops"}:
         from cluster.engine import connect_ray
         connect_ray(8)
     if "pp" in sections:
-        report["pp_tok_s"], report["stage_rss_mb"] = bench_pipeline(path, args.quick)
+        qwen = build_model("qwen35moe", "qwen35moe", qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32"])
+        report["pp_tok_s"], report["stage_rss_mb"] = bench_pipeline(qwen["f32"], args.quick)
     if "hops" in sections:
-        report["hop_ms"] = bench_hops(args.quick)
+        report["hop_us"] = bench_hops(args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
     return 0
 
 
