@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from kernels.attention import attention
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
-from kernels.norms import rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 
+from .block import Block
 from .cache import KVCache
 from .errors import ModelFormatError
 
@@ -323,21 +323,9 @@ class MoEFeedForward:
         return combine_slots(*self.experts(x, ids), weights)
 
 
-class Layer:
-    def __init__(self, cfg: GptOssConfig, w, i: int, remote_experts=None):
-        p = f"blk.{i}."
-        self.cfg, self.index = cfg, i
-        self.attn_norm = w(p + "attn_norm.weight")
-        self.post_norm = w(p + "post_attention_norm.weight")
-        self.attn = Attention(cfg, w, p, i)
-        self.ffn = MoEFeedForward(cfg, w, i, remote_experts)
-
-    def new_cache(self):
-        return self.attn.new_cache()
-
-    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.cfg.rms_eps), ctx, self.index)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.cfg.rms_eps))
+def Layer(cfg, w, i: int, remote_experts=None) -> Block:
+    """Layer i: its mixer and MoE feed-forward in the shared pre-norm block."""
+    return Block(w, i, cfg.rms_eps, Attention(cfg, w, f"blk.{i}.", i), MoEFeedForward(cfg, w, i, remote_experts))
 
 
 def hf_weights(files, cfg: GptOssConfig):

@@ -18,6 +18,7 @@ from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, 
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
 
+from .block import Block
 from .cache import DeltaNetCache, KVCache
 from .errors import ModelFormatError
 
@@ -332,21 +333,9 @@ class MoEFeedForward:
         return y
 
 
-class Layer:
-    def __init__(self, cfg: Qwen35MoeConfig, w, i: int, remote_experts=None):
-        p = f"blk.{i}."
-        self.cfg, self.index = cfg, i
-        self.attn_norm = w(p + "attn_norm.weight")
-        self.post_norm = w(p + "post_attention_norm.weight")
-        self.mixer = (GatedAttentionMixer if cfg.is_full_attention(i) else DeltaNetMixer)(cfg, w, p)
-        self.ffn = MoEFeedForward(cfg, w, i, remote_experts)
-
-    def new_cache(self):
-        return self.mixer.new_cache()
-
-    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = x + self.mixer(rms_norm(x, self.attn_norm, self.cfg.rms_eps), ctx, self.index)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.cfg.rms_eps))
+def Layer(cfg, w, i: int, remote_experts=None) -> Block:
+    """Layer i: its mixer and MoE feed-forward in the shared pre-norm block."""
+    return Block(w, i, cfg.rms_eps, (GatedAttentionMixer if cfg.is_full_attention(i) else DeltaNetMixer)(cfg, w, f"blk.{i}."), MoEFeedForward(cfg, w, i, remote_experts))
 
 
 def hf_weights(files, cfg: Qwen35MoeConfig):
