@@ -131,3 +131,20 @@ def make_gptoss(out_dir: str, seed: int = 0, mxfp4: bool = True, **overrides):
     for name, p in model.state_dict().items():     # the oracle holds exactly the weights built here
         assert torch.equal(oracle.state_dict()[name], p), name
     return oracle
+
+
+def hf_logprobs(model, ids):
+    """The oracle's log-softmax over the vocabulary at every position of ids."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def run_one(model_files, prompt, scheduler=None, **params):
+    """One request through the in-process engine (greedy, 1 token unless params say otherwise)."""
+    from stages.engine import LocalEngine
+    from stages.sampling import SamplingParams
+
+    engine = LocalEngine(model_files, scheduler=scheduler)
+    seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
+    engine.run_until_done()
+    return seq.result()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
 from deploy.tiny_tokenizer import build_tiny_tokenizer
-from hf_models import mxfp4_to_float, random_mxfp4, make_gptoss
+from hf_models import mxfp4_to_float, random_mxfp4, make_gptoss, hf_logprobs, run_one as run
 from kernels.dequant import dequantize
 from stages import gptoss
 from stages.chat import render_chat
@@ -67,18 +67,6 @@ def unquantised_dir(hf_model, tmp_path_factory):
 def prompt(hf_model):
     vocab = hf_model[1].config.vocab_size
     return torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-
-
-def hf_logprobs(model, ids):
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-
-
-def run(model_files, prompt, scheduler=None, **params):
-    engine = LocalEngine(model_files, scheduler=scheduler)
-    seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
-    engine.run_until_done()
-    return seq.result()
 
 
 def prompt_logprobs(result):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
 from deploy.tiny_tokenizer import build_tiny_tokenizer
-from hf_models import make_qwen35moe
+from hf_models import make_qwen35moe, hf_logprobs, run_one as run
 from stages import qwen35moe_hf
 from stages.engine import LocalEngine
 from stages.loader import open_model
@@ -39,18 +39,6 @@ def gguf_path(hf_model, tmp_path_factory):
 def prompt(hf_model):
     vocab = hf_model[1].config.vocab_size
     return torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-
-
-def hf_logprobs(model, ids):
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-
-
-def run(model_files, prompt, scheduler=None, **params):
-    engine = LocalEngine(model_files, scheduler=scheduler)
-    seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
-    engine.run_until_done()
-    return seq.result()
 
 
 def assert_prompt_logprobs_match(result, ref):
