@@ -60,7 +60,9 @@ class Pipeline:
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
-        opts = {"scheduling_strategy": strategy, "max_concurrency": 1}
+        # OMP_WAIT_POLICY must be set before torch loads in the actor's process (see kernels/__init__.py)
+        opts = {"scheduling_strategy": strategy, "max_concurrency": 1,
+                "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
         if self.spec.use_gpu:
             opts["num_gpus"] = 1
         else:

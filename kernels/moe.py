@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .linear import linear
+
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to 1 (Qwen)."""
@@ -54,8 +56,8 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
             continue
         mine = order[starts[e]:starts[e + 1]]
         local = e - experts.start
-        h = F.linear(x[mine // ids.shape[1]], gate_up[local], None if gate_up_bias is None else gate_up_bias[local])
-        rows.append(F.linear(activation(h), down[local], None if down_bias is None else down_bias[local]))
+        h = linear(x[mine // ids.shape[1]], gate_up[local], None if gate_up_bias is None else gate_up_bias[local])
+        rows.append(linear(activation(h), down[local], None if down_bias is None else down_bias[local]))
         slots.append(mine)
     if not slots:
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])

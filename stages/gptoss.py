@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import attention
+from kernels.linear import linear
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 
@@ -275,9 +275,9 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, T = self.cfg, x.shape[0]
-        q = F.linear(x, self.q, self.q_bias).view(T, c.n_head, c.head_dim)
-        k = F.linear(x, self.k, self.k_bias).view(T, c.n_kv_head, c.head_dim)
-        v = F.linear(x, self.v, self.v_bias).view(T, c.n_kv_head, c.head_dim)
+        q = linear(x, self.q, self.q_bias).view(T, c.n_head, c.head_dim)
+        k = linear(x, self.k, self.k_bias).view(T, c.n_kv_head, c.head_dim)
+        v = linear(x, self.v, self.v_bias).view(T, c.n_kv_head, c.head_dim)
         cos, sin = self._rope(ctx)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty_like(q)
@@ -287,7 +287,7 @@ class Attention:
             out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, c.head_dim ** -0.5,
                                   window=self.window, sinks=self.sinks)
             cache.trim()       # sliding layers keep only the last `window` positions
-        return F.linear(out.reshape(T, -1), self.o, self.o_bias)
+        return linear(out.reshape(T, -1), self.o, self.o_bias)
 
 
 def load_experts(cfg: GptOssConfig, w, layer: int, experts: range | None = None):
@@ -319,7 +319,7 @@ class MoEFeedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # router: top-k of the biased logits, softmax over those k
-        weights, ids = route_topk_softmax(F.linear(x, self.router, self.router_bias), self.cfg.n_expert_used)
+        weights, ids = route_topk_softmax(linear(x, self.router, self.router_bias), self.cfg.n_expert_used)
         return combine_slots(*self.experts(x, ids), weights)
 
 

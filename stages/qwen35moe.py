@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention
+from kernels.linear import linear
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
@@ -233,10 +234,10 @@ class DeltaNetMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c = self.cfg
-        qkv = F.linear(x, self.qkv)
-        z = F.linear(x, self.z)
-        beta = torch.sigmoid(F.linear(x, self.beta).float())
-        g = self.a * F.softplus(F.linear(x, self.alpha).float() + self.dt_bias)
+        qkv = linear(x, self.qkv)
+        z = linear(x, self.z)
+        beta = torch.sigmoid(linear(x, self.beta).float())
+        g = self.a * F.softplus(linear(x, self.alpha).float() + self.dt_bias)
         y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim)
         singles = []
         for sid, rows, _ in ctx.batch.segments():
@@ -251,7 +252,7 @@ class DeltaNetMixer:
         if singles:
             self._decode_step(qkv, g, beta, singles, y)
         y = gated_rms_norm(y.to(x.dtype), z.view(y.shape), self.norm, c.rms_eps)
-        return F.linear(y.reshape(x.shape[0], c.value_dim), self.out)
+        return linear(y.reshape(x.shape[0], c.value_dim), self.out)
 
     def _decode_step(self, qkv, g, beta, singles, y):
         """One token for each of several sequences at once: their states are stacked for the step."""
@@ -281,10 +282,10 @@ class GatedAttentionMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, T = self.cfg, x.shape[0]
-        qg = F.linear(x, self.q).view(T, c.n_head, 2 * c.head_dim)
+        qg = linear(x, self.q).view(T, c.n_head, 2 * c.head_dim)
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
-        k = F.linear(x, self.k).view(T, c.n_kv_head, c.head_dim)
-        v = F.linear(x, self.v).view(T, c.n_kv_head, c.head_dim)
+        k = linear(x, self.k).view(T, c.n_kv_head, c.head_dim)
+        v = linear(x, self.v).view(T, c.n_kv_head, c.head_dim)
         q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
         if "rope" not in ctx.memo:
             ctx.memo["rope"] = rope_cos_sin(ctx.positions, self.inv_freq)
@@ -295,7 +296,7 @@ class GatedAttentionMixer:
             keys, values, k_pos = ctx.caches[sid][layer].extend(k[rows], v[rows], ctx.positions[rows])
             out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, c.head_dim ** -0.5)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
-        return F.linear(out, self.o)
+        return linear(out, self.o)
 
 
 def load_experts(cfg: Qwen35MoeConfig, w, layer: int, experts: range | None = None):
@@ -325,11 +326,11 @@ class MoEFeedForward:
             self.shared_down = w(p + "ffn_down_shexp.weight")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax_topk(F.linear(x, self.router), self.cfg.n_expert_used)
+        weights, ids = route_softmax_topk(linear(x, self.router), self.cfg.n_expert_used)
         y = combine_slots(*self.experts(x, ids), weights)
         if self.shared:
-            s = F.linear(swiglu(F.linear(x, self.shared_gate_up)), self.shared_down)
-            y = y + torch.sigmoid(F.linear(x, self.shared_gate)) * s
+            s = linear(swiglu(linear(x, self.shared_gate_up)), self.shared_down)
+            y = y + torch.sigmoid(linear(x, self.shared_gate)) * s
         return y
 
 

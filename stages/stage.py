@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norms import rms_norm
+from kernels.linear import linear
 
 from .batch import StepBatch, StepContext
 from .loader import ModelFiles
@@ -63,4 +64,4 @@ class Stage:
         if not self.last:
             return x
         x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
-        return F.linear(x, self.head).float()
+        return linear(x, self.head).float()
