@@ -12,17 +12,13 @@ import json
 import sys
 import time
 
-import torch
-
 from stages.errors import RaymoeError, RequestError
 from stages.sampling import SamplingParams
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe")
+    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss")
     p.add_argument("--input", required=True, help="JSONL requests")
     p.add_argument("--output", required=True, help="JSONL results (one line per input line, same order)")
     p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
@@ -31,8 +27,8 @@ def parse_args(argv=None):
                    help="how activations move between stages")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 3,5 (default: even)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / actors)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+    p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4, the same for every --pp)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="float32 is exact; bfloat16 is faster and approximate")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=64)

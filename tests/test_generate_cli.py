@@ -92,3 +92,12 @@ def test_hf_dir_and_gguf_agree(tmp_path):
     assert a["token_ids"] == b["token_ids"]
     for x, y in zip(a["logprobs"], b["logprobs"]):
         assert abs(x["logprob"] - y["logprob"]) < 1e-5
+
+
+def test_bfloat16_mode_is_close_to_float32(tmp_path):
+    req = [{"prompt": "Hello", "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}]
+    exact = run(tmp_path, req, name="f32")[0]
+    fast = run(tmp_path, req, "--dtype", "bfloat16", name="bf16")[0]
+    assert fast["prompt_token_ids"] == exact["prompt_token_ids"]
+    diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(exact["prompt_logprobs"][1:], fast["prompt_logprobs"][1:])]
+    assert max(diffs) < 0.5 and sum(diffs) > 0        # approximate, and really computed in bfloat16
