@@ -65,16 +65,17 @@ class Coordinator:
 
     async def submit(self, request_id, request: dict, defaults: dict | None = None, collect: bool = True) -> int:
         """Queue one request (a JSONL line / API body). Returns its sequence id; bad requests raise
-        RequestError with a one-line message, a full queue QueueFullError. With collect=False the
+        RequestError with a one-line message. With max_queued set, a request that would wait for a cache
+        slot while max_queued others already do raises QueueFullError. With collect=False the
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         if self.error:
             raise RuntimeError(self.error)
         params = sampling_params(request, SamplingParams.from_dict(defaults or {}))
-        ids = prompt_ids(request, self.core.tokenizer)
-        if self.max_queued is not None and self.queued() >= self.max_queued:
-            raise QueueFullError(f"the server is busy: {self.queued()} requests are already waiting for a "
-                                 f"slot (limit {self.max_queued}); retry later")
-        seq = self.core.add_request(request_id, ids, params)
+        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        if self.max_queued is not None and self._must_wait(seq) and self.queued() > self.max_queued:
+            self.core.finish(seq, "abort")
+            raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
+                                 f"cache slot; retry later")
         if not collect:
             self.uncollected.add(seq.seq_id)
         self.events[seq.seq_id] = asyncio.Queue()
@@ -137,6 +138,10 @@ class Coordinator:
     def queued(self) -> int:
         """Sequences that cannot run yet because their micro-batch group has no free slot."""
         return sum(max(0, len(g.running) + len(g.waiting) - g.max_running) for g in self.core.groups)
+
+    def _must_wait(self, seq) -> bool:
+        group = self.core.group_of(seq)
+        return len(group.running) + len(group.waiting) > group.max_running
 
     def load(self) -> dict:
         """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack

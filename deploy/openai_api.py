@@ -231,6 +231,14 @@ class TokenText:
         return text
 
 
+def _top_dict(top: list, token_text: TokenText) -> dict:
+    """{token text: logprob}; tokens that decode alike (e.g. partial UTF-8) keep the best logprob."""
+    out = {}
+    for token_id, logprob in top:
+        out.setdefault(token_text(token_id), logprob)
+    return out
+
+
 def completion_logprobs(entries: list, token_text: TokenText, offset: int) -> dict:
     """The legacy completions shape; entries are the engine's {"token_id", "logprob", "top"} (or None for
     the first prompt token). `offset` is where the first token's text starts in the choice's text."""
@@ -241,7 +249,7 @@ def completion_logprobs(entries: list, token_text: TokenText, offset: int) -> di
         text = token_text(entry["token_id"])
         out["tokens"].append(text)
         out["token_logprobs"].append(entry["logprob"])
-        out["top_logprobs"].append({token_text(t): lp for t, lp in entry["top"]})
+        out["top_logprobs"].append(_top_dict(entry["top"], token_text))
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -255,7 +263,7 @@ def _prompt_logprobs(entries: list, prompt_ids: list[int], token_text: TokenText
         text = token_text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if entry is None else entry["logprob"])
-        out["top_logprobs"].append(None if entry is None else {token_text(t): lp for t, lp in entry["top"]})
+        out["top_logprobs"].append(None if entry is None else _top_dict(entry["top"], token_text))
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -397,9 +405,9 @@ class StreamFormatter:
         return out
 
     def _content(self, delta_text: str, token_ids: list[int], logprobs_entries) -> dict | None:
-        if not delta_text and not token_ids:
-            return None
         lp = self._logprobs(logprobs_entries)
+        if not delta_text and not lp and not (self.p.return_token_ids and token_ids):
+            return None
         if self.p.kind == "chat":
             choice = {"delta": {"content": delta_text}, "logprobs": lp, "finish_reason": None}
         else:

@@ -14,8 +14,6 @@ tokens deploy.generate gives for the same line. A client that disconnects or can
 sequence at once; when more than `max_queued` sequences wait for a cache slot, new requests get
 503 (HTTP) / RESOURCE_EXHAUSTED (gRPC).
 """
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -28,7 +26,7 @@ from time import perf_counter
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from ray import serve
 
 from deploy.metrics import ServerMetrics
@@ -58,7 +56,12 @@ class ServeArgs(BaseModel):
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
     max_running: int = 64                     # sequences holding cache slots at once
-    max_queued: int | None = 256              # sequences waiting for a slot before 503; None: unbounded
+    max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
+
+    @field_validator("max_queued")
+    @classmethod
+    def _unbounded(cls, v):
+        return None if v is not None and v < 0 else v
 
     @property
     def name(self) -> str:
@@ -69,7 +72,7 @@ class Generation:
     """One submitted sequence: its updates as they come, with the latency metrics; abort() cancels
     it in the coordinator (a no-op once it finished)."""
 
-    def __init__(self, serving: Serving, seq_id: int, arrived: float):
+    def __init__(self, serving: "Serving", seq_id: int, arrived: float):
         self.serving, self.seq_id, self.arrived = serving, seq_id, arrived
         self.done = False
         self.last_token_at: float | None = None
@@ -323,6 +326,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _deploy_failure(app_name: str) -> str:
+    """Why the application's deployments failed, from Serve's status (the replica's own error last)."""
+    try:
+        status = serve.status().applications.get(app_name)
+        messages = [d.message for d in status.deployments.values() if d.message] if status else []
+    except Exception:
+        return ""
+    lines = [line for m in messages for line in m.strip().splitlines() if line.strip()]
+    return f"\n  {lines[-1].strip()}" if lines else ""
+
+
 class _Stop(BaseException):
     """Raised in the main thread by SIGINT/SIGTERM."""
 
@@ -332,7 +346,7 @@ def main(argv=None) -> int:
     serve_args = ServeArgs(model=args.model, served_model_name=args.served_model_name, pp=args.pp, ep=args.ep,
                            dtype=args.dtype, device=args.device, transport=args.transport, threads=args.threads,
                            microbatches=args.microbatches, max_running=args.max_running,
-                           max_queued=None if args.max_queued < 0 else args.max_queued)
+                           max_queued=args.max_queued)
     try:                          # fail fast, before starting anything, on a bad model
         from stages.loader import open_model
         open_model(args.model)
@@ -370,7 +384,7 @@ def main(argv=None) -> int:
     except _Stop:
         pass
     except Exception as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {e}{_deploy_failure(args.app_name)}", file=sys.stderr)
         code = 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):      # a second signal no longer interrupts the cleanup

@@ -1,0 +1,140 @@
+"""The raymoe.Raymoe gRPC service (protos/raymoe.proto) as methods of the Serve ingress.
+
+Ray Serve's gRPC proxy registers the generated `add_RaymoeServicer_to_server` and calls the
+ingress deployment's method of the same name as the RPC; the class using this mixin provides
+`self.serving` (deploy.serve.Serving). Errors map to gRPC status codes: bad request
+INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED, pipeline down
+UNAVAILABLE, anything else INTERNAL. A client that cancels a stream frees its sequence at once.
+"""
+from __future__ import annotations
+
+import uuid
+from time import perf_counter
+
+import grpc
+
+from deploy.openai_api import APIError, TextDeltas, usage
+from stages.errors import RequestError
+from stages.requests import check_prompt, prompt_ids
+
+from . import raymoe_pb2 as pb
+
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                503: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL}
+
+
+def engine_request(request: pb.GenerateRequest, serving) -> dict:
+    """The deploy.generate JSONL line of a GenerateRequest, with the prompt tokenized (as the HTTP API does)."""
+    if request.model and request.model != serving.model_name:
+        raise APIError(404, f"unknown model {request.model!r}; this server serves {serving.model_name!r}",
+                       param="model", code="model_not_found")
+    which = request.WhichOneof("input")
+    if which is None:
+        raise APIError(400, "a request needs one of prompt, prompt_token_ids, messages", param="input")
+    if which == "prompt":
+        line = {"prompt": request.prompt}
+    elif which == "prompt_token_ids":
+        line = {"prompt_token_ids": list(request.prompt_token_ids.ids)}
+    else:
+        line = {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]}
+    try:
+        ids = prompt_ids(line, serving.tokenizer)
+        check_prompt(ids, serving.vocab, serving.context_length)
+    except RequestError as e:
+        raise APIError(400, str(e), param=which) from None
+    out = {"prompt_token_ids": ids}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+        if request.HasField(name):
+            out[name] = getattr(request, name)
+    if request.stop:
+        out["stop"] = list(request.stop)
+    return out
+
+
+def logprobs_pb(entries) -> list:
+    return [pb.TokenLogprob(token_id=e["token_id"], logprob=e["logprob"],
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e["top"]]) for e in entries or []]
+
+
+def _abort(grpc_context, e: APIError):
+    if grpc_context is not None:
+        code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
+        if e.code == "unavailable":
+            code = grpc.StatusCode.UNAVAILABLE
+        grpc_context.set_code(code)
+        grpc_context.set_details(e.message)
+
+
+class RaymoeServicer:
+    async def _start(self, request):
+        arrived = perf_counter()
+        s = self.serving
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        line = engine_request(request, s)
+        return rid, line, await s.start(rid, line, arrived)
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        generation = None
+        try:
+            rid, _, generation = await self._start(request)
+            result = await generation.result()
+            if "error" in result:
+                raise APIError(500, f"generation failed: {result['error']}")
+            self.serving.metrics.answered("grpc_generate", 200)
+            return pb.GenerateResponse(
+                id=rid, model=self.serving.model_name, prompt_token_ids=result["prompt_token_ids"],
+                token_ids=result["token_ids"], text=result["text"], finish_reason=result["finish_reason"],
+                usage=pb.Usage(**usage(**result["usage"])), logprobs=logprobs_pb(result["logprobs"]))
+        except APIError as e:
+            self.serving.metrics.answered("grpc_generate", e.status)
+            _abort(grpc_context, e)
+            return pb.GenerateResponse()
+        finally:
+            if generation is not None:
+                generation.abort()      # no-op when it finished; frees the sequence when the call was cancelled
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        generation = None
+        try:
+            rid, line, generation = await self._start(request)
+            self.serving.metrics.answered("grpc_generate_stream", 200)
+            deltas = TextDeltas(list(request.stop))
+            first = True
+            async for update in generation.updates():
+                message = pb.GenerateStreamResponse(id=rid, token_ids=update["token_ids"],
+                                                    logprobs=logprobs_pb(update.get("logprobs")))
+                result = update.get("finished")
+                if result is not None:
+                    if "error" in result:
+                        raise APIError(500, f"generation failed: {result['error']}")
+                    message.text = deltas.final(result["text"])
+                    message.finish_reason = result["finish_reason"]
+                    message.usage.CopyFrom(pb.Usage(**usage(**result["usage"])))
+                else:
+                    message.text = deltas.update(update["text"])
+                if first:
+                    message.prompt_token_ids.extend(line["prompt_token_ids"])
+                    first = False
+                yield message
+        except APIError as e:
+            self.serving.metrics.answered("grpc_generate_stream", e.status)
+            _abort(grpc_context, e)
+            # Serve's proxy takes a stream's status from the context only with a message, or from a
+            # raised error (keeping the code set above)
+            raise RuntimeError(e.message) from None
+        finally:
+            if generation is not None:
+                generation.abort()
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        s = self.serving
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.model_name, context_length=s.context_length,
+                                                          pipeline_stages=s.engine.pp)])
+
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        try:
+            await self.serving.load()
+        except Exception as e:
+            return pb.HealthResponse(healthy=False, status=f"{type(e).__name__}: {e}")
+        return pb.HealthResponse(healthy=True, status="ok")
+

@@ -1,0 +1,136 @@
+"""The gRPC service of protos/ through Ray Serve's gRPC proxy, beside HTTP, on a real
+`python -m deploy.serve` process: gRPC results and streamed tokens equal the HTTP API's, errors map
+to gRPC status codes, a cancelled stream frees its sequence, and SIGTERM stops everything."""
+import signal
+
+import grpc
+import openai
+import pytest
+
+from protos import raymoe_pb2 as pb
+from protos import raymoe_pb2_grpc as pb_grpc
+from serve_util import ServerProcess, descendants, still_running, wait_idle
+
+MODEL = "tiny-qwen35moe"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess(tmp_path_factory.mktemp("grpc") / "serve.log", "--max-running", "16")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    yield pb_grpc.RaymoeStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+CASES = [
+    dict(prompt="Hello there", max_tokens=10, temperature=0),
+    dict(prompt="Sampled", max_tokens=12, temperature=0.9, top_p=0.9, top_k=30, seed=7),
+    dict(prompt_token_ids=[3, 50, 7, 99], max_tokens=8, temperature=0.7, seed=11, logprobs=2),
+    dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=9, temperature=1.0, seed=3),
+]
+
+
+def grpc_request(case: dict) -> pb.GenerateRequest:
+    fields = {k: v for k, v in case.items() if k not in ("prompt_token_ids", "messages")}
+    if "prompt_token_ids" in case:
+        fields["prompt_token_ids"] = pb.TokenIds(ids=case["prompt_token_ids"])
+    if "messages" in case:
+        fields["messages"] = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in case["messages"]])
+    return pb.GenerateRequest(model=MODEL, **fields)
+
+
+def http_result(http, case: dict) -> dict:
+    kw = {k: case[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in case}
+    extra = {"return_token_ids": True, **({"top_k": case["top_k"]} if "top_k" in case else {})}
+    if "messages" in case:
+        r = http.chat.completions.create(model=MODEL, messages=case["messages"], extra_body=extra, **kw)
+        text = r.choices[0].message.content
+    else:
+        r = http.completions.create(model=MODEL, prompt=case.get("prompt", case.get("prompt_token_ids")),
+                                    logprobs=case.get("logprobs"), extra_body=extra, **kw)
+        text = r.choices[0].text
+    c = r.choices[0]
+    return {"token_ids": c.model_extra["token_ids"], "prompt_token_ids": c.model_extra["prompt_token_ids"],
+            "text": text, "finish_reason": c.finish_reason, "completion_tokens": r.usage.completion_tokens,
+            "logprobs": c.logprobs}
+
+
+def test_list_models_and_health(stub):
+    models = stub.ListModels(pb.ListModelsRequest()).models
+    assert [m.id for m in models] == [MODEL] and models[0].context_length == 4096 and models[0].pipeline_stages == 1
+    health = stub.Health(pb.HealthRequest())
+    assert health.healthy and health.status == "ok"
+
+
+@pytest.mark.parametrize("case", CASES, ids=["greedy", "sampled", "token-ids", "chat"])
+def test_grpc_equals_http(stub, http, case):
+    want = http_result(http, case)
+    r = stub.Generate(grpc_request(case))
+    assert list(r.token_ids) == want["token_ids"] and r.text == want["text"]
+    assert list(r.prompt_token_ids) == want["prompt_token_ids"] and r.finish_reason == want["finish_reason"]
+    assert r.usage.completion_tokens == want["completion_tokens"] == len(r.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if "logprobs" in case:
+        assert [lp.token_id for lp in r.logprobs] == want["token_ids"]
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(want["logprobs"].token_logprobs)
+        assert all(len(lp.top) == case["logprobs"] for lp in r.logprobs)
+
+    messages = list(stub.GenerateStream(grpc_request(case)))
+    assert [t for m in messages for t in m.token_ids] == want["token_ids"]
+    assert "".join(m.text for m in messages) == want["text"]
+    assert list(messages[0].prompt_token_ids) == want["prompt_token_ids"]
+    assert messages[-1].finish_reason == want["finish_reason"] and not any(m.finish_reason for m in messages[:-1])
+    assert messages[-1].usage.completion_tokens == want["completion_tokens"]
+
+
+def test_grpc_errors(stub):
+    def code_of(call):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        return info.value.code(), info.value.details()
+
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest(model="nope", prompt="x")))[0] == grpc.StatusCode.NOT_FOUND
+    code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(prompt="x", temperature=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in details
+    code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1] * 4096))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest()))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    code, details = code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(prompt="x", top_p=3))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in details
+    code, _ = code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(model="nope", prompt="x"))))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_cancelled_calls_free_their_sequences(server, stub):
+    call = stub.GenerateStream(pb.GenerateRequest(prompt="Hello", max_tokens=3000, temperature=0))
+    for i, _ in enumerate(call):
+        if i == 2:
+            break
+    call.cancel()
+    wait_idle(server.base)
+    with pytest.raises(grpc.RpcError) as info:          # a unary call whose deadline passes
+        stub.Generate(pb.GenerateRequest(prompt="Hello", max_tokens=3000, temperature=0), timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(server.base)
+
+
+def test_sigterm_stops_everything(server):
+    """Last in this module: SIGTERM to deploy.serve shuts down Serve and its Ray cluster, no process left."""
+    tree = descendants(server.proc.pid)
+    assert len(tree) >= 3
+    assert server.stop(signal.SIGTERM) == 0, server.tail()
+    assert still_running(tree) == [], server.tail()

@@ -1,0 +1,344 @@
+"""The OpenAI-compatible Serve endpoint, through the official `openai` client against a local server:
+outputs equal deploy.generate's for the same seed, streamed text equals non-streamed text, 32
+concurrent streams, disconnects free their sequences, back-pressure (503) and every error status,
+/metrics, and `python -m deploy.serve` as a real process stopped by SIGINT."""
+import asyncio
+import json
+import signal
+
+import openai
+import pytest
+
+from deploy import generate
+from deploy.metrics import parse_metrics
+from deploy.openai_api import TextDeltas
+from serve_util import ServerProcess, descendants, free_port, get_json, get_text, post_raw, still_running, wait_idle
+
+MODEL = "tiny-qwen35moe"
+MAX_RUNNING, MAX_QUEUED = 32, 8          # small, so that back-pressure is reachable in a test
+
+
+def reference_lines() -> list[dict]:
+    """deploy.generate JSONL lines; the server gets the same requests through the OpenAI API."""
+    lines = []
+    for i in range(32):
+        line = {"id": f"r{i}", "max_tokens": 6 + i % 7}
+        if i % 3 == 0:
+            line["prompt"] = f"Request number {i} says"
+        elif i % 3 == 1:
+            line["messages"] = [{"role": "user", "content": f"Tell me about {i}"}]
+        else:
+            line["prompt_token_ids"] = [5 + i, 17, 200 + i, 33]
+        if i % 2:
+            line.update(temperature=0.8, top_p=0.95, top_k=40, seed=1000 + i)
+        else:
+            line.update(temperature=0)
+        lines.append(line)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The batch job's outputs for reference_lines(), by id."""
+    d = tmp_path_factory.mktemp("serve-ref")
+    src, out = d / "in.jsonl", d / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in reference_lines()))
+    assert generate.main(["--model", MODEL, "--input", str(src), "--output", str(out)]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all("error" not in r for r in results)
+    return {r["id"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The Serve app on the suite's Ray cluster (HTTP on a free localhost port); shut down after the module."""
+    from ray import serve
+
+    from deploy.serve import app_builder
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED}),
+                  name="raymoe-test", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def async_client(server):
+    """A client per event loop (its connections belong to the loop that opened them)."""
+    return openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def api_kwargs(line: dict) -> tuple[str, dict]:
+    """("chat" | "completions", keyword arguments of the openai client) for a reference line."""
+    kw = {k: line[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in line}
+    extra = {"return_token_ids": True}
+    if "top_k" in line:
+        extra["top_k"] = line["top_k"]
+    kw["extra_body"] = extra
+    if "messages" in line:
+        return "chat", {**kw, "messages": line["messages"]}
+    return "completions", {**kw, "prompt": line.get("prompt", line.get("prompt_token_ids"))}
+
+
+def create(client, line, **more):
+    kind, kw = api_kwargs(line)
+    api = client.chat.completions if kind == "chat" else client.completions
+    return kind, api.create(model=MODEL, **kw, **more)
+
+
+def text_of(kind, choice) -> str:
+    return choice.message.content if kind == "chat" else choice.text
+
+
+def collect_stream(kind, stream) -> dict:
+    text, ids, finish, usage, first = "", [], None, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if kind == "chat":
+                if first is None:
+                    first = choice.delta.role
+                text += choice.delta.content or ""
+            else:
+                text += choice.text
+            ids += (choice.model_extra or {}).get("token_ids") or []
+            finish = choice.finish_reason or finish
+    return {"text": text, "token_ids": ids, "finish_reason": finish, "usage": usage, "role": first}
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, body = get_json(server + "/health")
+    assert status == 200 and body["status"] == "ok" and body["slots"] == MAX_RUNNING
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4, 5])
+def test_output_equals_deploy_generate_streamed_or_not(client, reference, index):
+    """Text prompt, chat and token-id prompt, greedy and seeded sampling: the server's tokens and text equal
+    the batch job's; the streamed text and tokens equal the non-streamed ones."""
+    line = reference_lines()[index]
+    want = reference[line["id"]]
+    kind, response = create(client, line)
+    choice = response.choices[0]
+    assert choice.model_extra["token_ids"] == want["token_ids"]
+    assert choice.model_extra["prompt_token_ids"] == want["prompt_token_ids"]
+    assert text_of(kind, choice) == want["text"]
+    assert choice.finish_reason == want["finish_reason"]
+    assert response.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert response.usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+    _, stream = create(client, line, stream=True, stream_options={"include_usage": True})
+    got = collect_stream(kind, stream)
+    assert got["text"] == want["text"] and got["token_ids"] == want["token_ids"]
+    assert got["finish_reason"] == want["finish_reason"]
+    assert got["usage"].completion_tokens == want["usage"]["completion_tokens"]
+    if kind == "chat":
+        assert got["role"] == "assistant"
+
+
+def test_stop_strings_stream_exactly_the_final_text(client):
+    """A stop string cuts the text; the streamed deltas never show text that the final text drops."""
+    base = {"model": MODEL, "prompt": "Hello", "max_tokens": 24, "temperature": 0}
+    free = client.completions.create(**base).choices[0].text
+    for stop in (free[5:7], free[9:10], [free[12:15], "never there"]):
+        stopped = client.completions.create(**base, stop=stop).choices[0]
+        first = stop if isinstance(stop, str) else stop[0]
+        assert stopped.finish_reason == "stop" and stopped.text == free[:free.find(first)]
+        streamed = collect_stream("completions", client.completions.create(**base, stop=stop, stream=True))
+        assert streamed["text"] == stopped.text and streamed["finish_reason"] == "stop"
+
+
+def test_text_deltas_hold_back_what_may_change():
+    d = TextDeltas(["END"])
+    pieces = [d.update("ab"), d.update("abE"), d.update("abEN"), d.update("abENx\ufffd"), d.update("abENxé"),
+              d.final("abENxé!")]
+    assert pieces == ["ab", "", "", "ENx", "é", "!"]
+    d = TextDeltas(["END"])
+    assert d.update("abE") == "ab" and d.update("abEN") == "" and d.final("ab") == ""
+    assert d.sent == "ab"
+
+
+def test_logprobs_and_echo(client):
+    prompt = "Logprobs please"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, echo=True,
+                                  extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    n_prompt = r.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    greedy = lp.token_logprobs[n_prompt:]
+    assert all(g == max(top.values()) for g, top in zip(greedy, lp.top_logprobs[n_prompt:]))   # greedy = best
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_32_concurrent_streams_and_a_disconnect(server, reference):
+    """32 clients stream at once (and one more leaves mid-stream): every output equals the batch job's;
+    the one that left frees its sequence, and 32 more requests run afterwards."""
+    lines = reference_lines()
+
+    async def stream_one(aclient, line):
+        kind, kw = api_kwargs(line)
+        api = aclient.chat.completions if kind == "chat" else aclient.completions
+        stream = await api.create(model=MODEL, stream=True, **kw)
+        text, ids = "", []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += (choice.delta.content or "") if kind == "chat" else choice.text
+                ids += (choice.model_extra or {}).get("token_ids") or []
+        return line["id"], text, ids
+
+    async def leave_early(aclient):
+        stream = await aclient.completions.create(model=MODEL, prompt="I will leave", max_tokens=3000,
+                                                  temperature=0, stream=True)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+        return seen
+
+    async def run():
+        async with async_client(server) as aclient:
+            return await asyncio.gather(leave_early(aclient), *[stream_one(aclient, line) for line in lines])
+
+    left, *results = asyncio.run(run())
+    assert left == 3
+    for rid, text, ids in results:
+        assert ids == reference[rid]["token_ids"] and text == reference[rid]["text"], rid
+    wait_idle(server)                       # the client that left holds nothing any more
+
+    async def again():
+        async def one(aclient, line):
+            kind, kw = api_kwargs(line)
+            api = aclient.chat.completions if kind == "chat" else aclient.completions
+            r = await api.create(model=MODEL, **kw)
+            return line["id"], r.choices[0].model_extra["token_ids"]
+        async with async_client(server) as aclient:
+            return await asyncio.gather(*[one(aclient, line) for line in lines])
+
+    for rid, ids in asyncio.run(again()):
+        assert ids == reference[rid]["token_ids"], rid
+    wait_idle(server)
+    metrics = parse_metrics(get_text(server + "/metrics"))
+    assert metrics[f'raymoe_requests_finished_total{{finish_reason="abort",model="{MODEL}"}}'] >= 1
+
+
+def test_queue_full_is_503_and_capacity_comes_back(client, server):
+    """Streams that never end fill the 32 cache slots and the 8 queue places; the next request gets 503 with
+    OpenAI's error JSON. Closing the streams frees everything: 32 requests run afterwards."""
+    held, rejected = [], None
+    try:
+        for i in range(MAX_RUNNING + MAX_QUEUED + 24):   # some may finish early (EOS): keep adding
+            try:
+                held.append(client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"hold {i}"}], max_tokens=3000,
+                    temperature=0, stream=True))
+            except openai.APIStatusError as e:
+                rejected = e
+                break
+        assert rejected is not None, "the bounded queue never filled"
+        assert rejected.status_code == 503
+        error = rejected.response.json()["error"]
+        assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+        metrics = parse_metrics(get_text(server + "/metrics"))
+        assert metrics[f'raymoe_cache_slots_used{{model="{MODEL}"}}'] == MAX_RUNNING
+        assert metrics[f'raymoe_queue_limit{{model="{MODEL}"}}'] == MAX_QUEUED
+        assert metrics[f'raymoe_requests_total{{endpoint="chat",model="{MODEL}",status="503"}}'] >= 1
+        assert len(held) >= MAX_RUNNING + MAX_QUEUED
+    finally:
+        for stream in held:
+            stream.close()
+    wait_idle(server)
+
+    async def after():
+        async with async_client(server) as aclient:
+            rs = await asyncio.gather(*[aclient.completions.create(model=MODEL, prompt=f"after {i}", max_tokens=4,
+                                                                   temperature=0) for i in range(32)])
+        return [r.choices[0].finish_reason for r in rs]
+
+    assert all(f in ("stop", "length") for f in asyncio.run(after()))
+    wait_idle(server)
+
+
+def test_error_statuses(client, server):
+    def error_of(call, status):
+        with pytest.raises(openai.APIStatusError) as info:
+            call()
+        assert info.value.status_code == status
+        body = info.value.response.json()
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        return body["error"]
+
+    e = error_of(lambda: client.completions.create(model="no-such-model", prompt="x", max_tokens=2), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+    error_of(lambda: client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}]),
+             404)
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1), 400)
+    assert e["param"] == "temperature" and e["type"] == "invalid_request_error"
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=0), 400)
+    assert e["param"] == "max_tokens"
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=2), 400)
+    assert e["param"] == "n"
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt=[1, 10 ** 9]), 400)
+    assert "vocabulary" in e["message"]
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt=[1] * 4096, max_tokens=1), 400)
+    assert e["code"] == "context_length_exceeded" and "4096" in e["message"]
+    e = error_of(lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=1), 400)
+    assert e["code"] == "context_length_exceeded" and e["param"] == "messages"
+    error_of(lambda: client.chat.completions.create(model=MODEL, messages=[]), 400)
+    error_of(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                    stream_options={"include_usage": True}), 400)
+    status, body = post_raw(server + "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    wait_idle(server)
+
+
+def test_metrics(client, server):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0)
+    text = get_text(server + "/metrics")
+    m = parse_metrics(text)
+    label = f'{{model="{MODEL}"}}'
+    assert m[f'raymoe_requests_total{{endpoint="completions",model="{MODEL}",status="200"}}'] >= 1
+    assert m["raymoe_prompt_tokens_total" + label] > 0 and m["raymoe_generation_tokens_total" + label] > 0
+    assert m["raymoe_time_to_first_token_seconds_count" + label] > 0
+    assert m["raymoe_inter_token_latency_seconds_count" + label] > 0
+    assert m["raymoe_cache_slots_total" + label] == MAX_RUNNING
+    for gauge in ("raymoe_queue_length", "raymoe_cache_slots_used", "raymoe_requests_in_flight"):
+        assert m[gauge + label] == 0
+    assert "# TYPE raymoe_time_to_first_token_seconds histogram" in text
+
+
+def test_cli_serves_and_sigint_stops_everything(tmp_path):
+    """`python -m deploy.serve` as a real process with its own local Ray: it serves, and SIGINT shuts down
+    Serve and the Ray cluster it started, leaving none of its processes."""
+    server = ServerProcess(tmp_path / "serve.log", "--grpc-port", "0")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        tree = descendants(server.proc.pid)
+        assert len(tree) >= 3                       # gcs, raylet, workers...
+        assert server.stop(signal.SIGINT) == 0, server.tail()
+        assert still_running(tree) == [], server.tail()
+    finally:
+        server.kill()
