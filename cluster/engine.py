@@ -11,7 +11,7 @@ import os
 
 import ray
 
-from stages.errors import RaymoeError, RequestError
+from stages.errors import RaymoeError
 from stages.loader import open_model, resolve_model_path
 
 from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)

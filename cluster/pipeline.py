@@ -20,6 +20,10 @@ from stages.engine import split_layers
 from .actors import ExpertActor, StageActor
 
 TRANSPORTS = ("object_store", "gloo")
+# float32 products run on OpenBLAS threads (kernels/linear.py): torch's OpenMP workers must sleep
+# between ops rather than spin on the same cores. Only an environment variable set before the
+# process loads torch can say so, hence the actors' runtime_env.
+FLOAT32_OMP_WAIT_POLICY = "PASSIVE"
 
 
 @dataclass
@@ -60,9 +64,10 @@ class Pipeline:
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
-        # OMP_WAIT_POLICY must be set before torch loads in the actor's process (see kernels/__init__.py)
-        opts = {"scheduling_strategy": strategy, "max_concurrency": 1,
-                "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+        env = {"OPENBLAS_NUM_THREADS": str(self.spec.threads)}
+        if self.spec.dtype == "float32":
+            env["OMP_WAIT_POLICY"] = FLOAT32_OMP_WAIT_POLICY
+        opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
         if self.spec.use_gpu:
             opts["num_gpus"] = 1
         else:

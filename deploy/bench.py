@@ -144,7 +144,12 @@ def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
     return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode, "batch16_tok_s": None}
 
 
-def bench_engines(quick: bool) -> dict:
+ENGINES = ["raymoe-f32", "raymoe-q8_0", "raymoe-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-f32",
+           "raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4"]
+
+
+def run_engine(name: str, quick: bool) -> dict | None:
+    """One engine's numbers, measured in this process."""
     torch.set_num_threads(THREADS)
     n_prompt, n_decode = (128, 32) if quick else (512, 128)
     qwen = build_model("qwen35moe", "qwen35moe", qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32", "q8_0"])
@@ -159,13 +164,37 @@ def bench_engines(quick: bool) -> dict:
         "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16),
         "llama.cpp-gptoss-mxfp4": lambda: bench_llama_cpp(oss["f32"], n_prompt, n_decode),
     }
+    return runs[name]()
+
+
+def bench_engines(quick: bool) -> dict:
+    """Every engine in a fresh process of its own: thread pools left spinning by one engine
+    (OpenMP, OpenBLAS, ggml) must not slow the next."""
+    import subprocess
+
+    from cluster.pipeline import FLOAT32_OMP_WAIT_POLICY
+
+    n_prompt, n_decode = (128, 32) if quick else (512, 128)
+    for kind in ("qwen35moe", "gptoss"):        # build the files once, before any timing
+        build_model(kind, kind, *((qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32", "q8_0"])
+                                  if kind == "qwen35moe" else (gptoss_config, gptoss_tensors, GPTOSS_SHAPE, ["f32"])))
     results = {}
     print(f"\n== engines: {THREADS} threads; prefill {n_prompt} tokens, decode {n_decode} tokens, batch of 16")
     print(f"{'engine':<26}{'prefill tok/s':>15}{'decode tok/s':>15}{'batch16 tok/s':>15}")
-    for name, run in runs.items():
-        r = run()
+    for name in ENGINES:
+        cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
+        # float32 raymoe runs as its stage actors do (cluster/pipeline.py); everything else with
+        # OpenMP workers spinning, which suits a process that has the cores to itself
+        float32_raymoe = name.startswith("raymoe") and name != "raymoe-bf16"
+        env = {**os.environ, "OMP_WAIT_POLICY": FLOAT32_OMP_WAIT_POLICY if float32_raymoe else "ACTIVE"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"{name:<26}  failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        r = json.loads(lines[-1])
         if r is None:
-            print(f"{name:<26}{'(llama-cpp-python not installed: make bench-deps)':>45}")
+            print(f"{name:<26}  (llama-cpp-python is not installed: make bench-deps)")
             continue
         results[name] = r
         cells = [f"{r[k]:>15.1f}" if r[k] is not None else f"{'-':>15}"
@@ -262,7 +291,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")
     p.add_argument("--sections", default="engines,pp,hops")
+    p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)    # one engine, JSON out (internal)
     args = p.parse_args(argv)
+    if args.engine:
+        print(json.dumps(run_engine(args.engine, args.quick)))
+        return 0
     sections = set(args.sections.split(","))
     print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000; "
           f"{os.cpu_count()} cores")

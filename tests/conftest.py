@@ -1,7 +1,7 @@
 import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads, as kernels/__init__.py says
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads, as cluster/pipeline.py explains
 
 import pytest
 

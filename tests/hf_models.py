@@ -14,7 +14,7 @@ QWEN_CONFIG = dict(
 )
 
 
-def randomise(model: torch.nn.Module, seed: int, scale: float = 0.2):
+def randomise(model: torch.nn.Module, seed: int, scale: float = 0.15):
     """Non-trivial random weights: logits with real spread, norms away from their init."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
