@@ -42,7 +42,6 @@ class Coordinator:
         self.next_group = 0
         self.wake = asyncio.Event()
         self.events: dict[int, asyncio.Queue] = {}      # seq_id -> stream of updates
-        self.seq_of_request: dict = {}
         self.finished: list[dict] = []
         self.finished_event = asyncio.Event()
         self.fault = dict(fault_injection or {})
@@ -69,7 +68,7 @@ class Coordinator:
         slot while max_queued others already do raises QueueFullError. With collect=False the
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         if self.error:
-            raise RuntimeError(self.error)
+            raise RaymoeError(self.error)
         params = sampling_params(request, SamplingParams.from_dict(defaults or {}))
         seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
         if self.max_queued is not None and self._must_wait(seq) and self.queued() > self.max_queued:
@@ -112,7 +111,7 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
         if self.error and not self.finished:
-            raise RuntimeError(self.error)
+            raise RaymoeError(self.error)
         out, self.finished = self.finished, []
         return out
 
@@ -147,7 +146,7 @@ class Coordinator:
         """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack
         of a slot (what max_queued bounds); slots: how many sequences can hold caches at once."""
         if self.error:
-            raise RuntimeError(self.error)
+            raise RaymoeError(self.error)
         return {"running": sum(len(g.running) for g in self.core.groups),
                 "waiting": sum(len(g.waiting) for g in self.core.groups), "queued": self.queued(),
                 "slots": sum(g.max_running for g in self.core.groups), "max_queued": self.max_queued,

@@ -75,8 +75,9 @@ class ClusterEngine:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             raise unwrap(e) from None
-        except ray.exceptions.RayActorError as e:
-            raise RaymoeError(f"the coordinator died: {e}") from None
+        except ray.exceptions.RayActorError:
+            raise RaymoeError("the coordinator actor died, and with it the state of every request in flight; "
+                              "the job failed (the Ray logs say why)") from None
 
     def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request; returns its sequence id. A bad request raises RequestError."""
@@ -105,8 +106,9 @@ class ClusterEngine:
             return await ref
         except ray.exceptions.RayTaskError as e:
             raise unwrap(e) from None
-        except ray.exceptions.RayActorError as e:
-            raise RaymoeError(f"the coordinator died: {e}") from None
+        except ray.exceptions.RayActorError:
+            raise RaymoeError("the coordinator actor died, and with it the state of every request in flight; "
+                              "the job failed (the Ray logs say why)") from None
 
     async def submit_async(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request whose result is only read through stream(); raises RequestError for a bad

@@ -95,3 +95,18 @@ def test_killed_stage_is_replaced_and_output_unchanged(reference, transport):
                 assert (a is None) == (b is None)
                 if a is not None:
                     assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-3
+
+
+def test_coordinator_death_fails_with_a_clear_message():
+    import ray
+    from stages.errors import RaymoeError
+
+    engine = ClusterEngine("tiny-qwen35moe", pp=2)
+    try:
+        engine.submit_many(requests(engine.config.vocab))
+        ray.kill(engine.coordinator, no_restart=True)
+        with pytest.raises(RaymoeError, match="the coordinator actor died"):
+            for _ in range(10):
+                engine.wait_finished(timeout=1)
+    finally:
+        engine.shutdown()
