@@ -29,6 +29,16 @@ def metadata_dict(reader) -> dict[str, Any]:
     return out
 
 
+def arch_key_reader(meta: dict, arch: str, where: str):
+    """`key(name, default=None)`: the value of `<arch>.<name>`, its default, or a ModelFormatError."""
+    def key(name, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelFormatError(f"{where}: missing metadata {arch}.{name}")
+        return value
+    return key
+
+
 class GGUFFile:
     def __init__(self, path: str):
         import gguf

@@ -27,6 +27,7 @@ from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_fre
 from .block import Block
 from .cache import KVCache
 from .errors import ModelFormatError
+from .gguf_file import arch_key_reader
 
 ARCH = "gpt-oss"
 TOKENIZER_PRE = "gpt-4o"
@@ -102,12 +103,7 @@ def llama_cpp_sliding_layers(n_layers: int, pattern: int = 2) -> list:
 
 
 def config_from_gguf(meta: dict, where: str) -> GptOssConfig:
-    def key(name, default=None):
-        value = meta.get(f"{ARCH}.{name}", default)
-        if value is None:
-            raise ModelFormatError(f"{where}: missing metadata {ARCH}.{name}")
-        return value
-
+    key = arch_key_reader(meta, ARCH, where)
     n_layers = key("block_count")
     n_embd = key("embedding_length")
     n_head = key("attention.head_count")

@@ -22,6 +22,7 @@ from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
 from .block import Block
 from .cache import DeltaNetCache, KVCache
 from .errors import ModelFormatError
+from .gguf_file import arch_key_reader
 
 ARCH = "qwen35moe"
 TOKENIZER_PRE = "qwen35"
@@ -85,12 +86,7 @@ class Qwen35MoeConfig:
 
 
 def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:
-    def key(name, default=None):
-        value = meta.get(f"{ARCH}.{name}", default)
-        if value is None:
-            raise ModelFormatError(f"{where}: missing metadata {ARCH}.{name}")
-        return value
-
+    key = arch_key_reader(meta, ARCH, where)
     n_embd = key("embedding_length")
     n_head = key("attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -148,3 +148,17 @@ def run_one(model_files, prompt, scheduler=None, **params):
     seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
     engine.run_until_done()
     return seq.result()
+
+
+def assert_prompt_logprobs_match(result: dict, ref: torch.Tensor, tol: float):
+    """Our prompt logprobs (and their top alternatives) equal the oracle's log-softmax `ref` to tol."""
+    entries, ids = result["prompt_logprobs"], result["prompt_token_ids"]
+    assert entries[0] is None and len(entries) == len(ids)
+    ours = torch.tensor([e["logprob"] for e in entries[1:]])
+    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(ours, theirs, atol=tol, rtol=0), (ours - theirs).abs().max()
+    for i, e in enumerate(entries[1:]):
+        top_ids = [t for t, _ in e["top"]]
+        top_lp = torch.tensor([lp for _, lp in e["top"]])
+        assert torch.allclose(top_lp, ref[i][top_ids], atol=tol, rtol=0)
+        assert torch.allclose(top_lp, torch.topk(ref[i], len(top_ids)).values, atol=tol, rtol=0)

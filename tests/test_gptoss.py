@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
 from deploy.tiny_tokenizer import build_tiny_tokenizer
-from hf_models import mxfp4_to_float, random_mxfp4, make_gptoss, hf_logprobs, run_one as run
+from hf_models import (assert_prompt_logprobs_match, hf_logprobs, make_gptoss, mxfp4_to_float, random_mxfp4,
+                       run_one as run)
 from kernels.dequant import dequantize
 from stages import gptoss
 from stages.chat import render_chat
@@ -103,17 +104,7 @@ def test_prompt_logprobs_match_transformers(hf_model, gguf_path, unquantised_dir
         model = {"hf": hf_model[0], "gguf": gguf_path, "hf-unquantised": unquantised_dir}[path]
     files = open_model(model)
     result = run(files, prompt, prompt_logprobs=5)
-    ref = hf_logprobs(hf_model[1], prompt)
-    entries = result["prompt_logprobs"]
-    assert entries[0] is None and len(entries) == len(prompt)
-    ours = prompt_logprobs(result)
-    theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(ours, theirs, atol=TOL, rtol=0), (ours - theirs).abs().max()
-    for i, e in enumerate(entries[1:]):
-        top_ids = [t for t, _ in e["top"]]
-        top_lp = torch.tensor([lp for _, lp in e["top"]])
-        assert torch.allclose(top_lp, ref[i][top_ids], atol=TOL, rtol=0)
-        assert torch.allclose(top_lp, torch.topk(ref[i], len(top_ids)).values, atol=TOL, rtol=0)
+    assert_prompt_logprobs_match(result, hf_logprobs(hf_model[1], prompt), TOL)
 
 
 @pytest.mark.parametrize("path", ["hf", "gguf"])

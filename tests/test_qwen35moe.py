@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
 from deploy.tiny_tokenizer import build_tiny_tokenizer
-from hf_models import make_qwen35moe, hf_logprobs, run_one as run
+from hf_models import assert_prompt_logprobs_match, hf_logprobs, make_qwen35moe, run_one as run
 from stages import qwen35moe_hf
 from stages.engine import LocalEngine
 from stages.loader import open_model
@@ -41,25 +41,11 @@ def prompt(hf_model):
     return torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def assert_prompt_logprobs_match(result, ref):
-    entries = result["prompt_logprobs"]
-    assert entries[0] is None and len(entries) == len(result["prompt_token_ids"])
-    ids = result["prompt_token_ids"]
-    ours = torch.tensor([e["logprob"] for e in entries[1:]])
-    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-    assert torch.allclose(ours, theirs, atol=TOL, rtol=0), (ours - theirs).abs().max()
-    for i, e in enumerate(entries[1:]):
-        top_ids = [t for t, _ in e["top"]]
-        top_lp = torch.tensor([lp for _, lp in e["top"]])
-        assert torch.allclose(top_lp, ref[i][top_ids], atol=TOL, rtol=0)
-        assert torch.allclose(top_lp, torch.topk(ref[i], len(top_ids)).values, atol=TOL, rtol=0)
-
-
 @pytest.mark.parametrize("path", ["hf", "gguf"])
 def test_prompt_logprobs_match_transformers(hf_model, gguf_path, prompt, path):
     files = open_model(hf_model[0] if path == "hf" else gguf_path)
     result = run(files, prompt, prompt_logprobs=5)
-    assert_prompt_logprobs_match(result, hf_logprobs(hf_model[1], prompt))
+    assert_prompt_logprobs_match(result, hf_logprobs(hf_model[1], prompt), TOL)
 
 
 @pytest.mark.parametrize("path", ["hf", "gguf"])
