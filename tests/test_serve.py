@@ -259,7 +259,10 @@ def test_queue_full_is_503_and_capacity_comes_back(client, server):
         assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
         assert set(error) == {"message", "type", "param", "code"}
         metrics = parse_metrics(get_text(server + "/metrics"))
-        assert metrics[f'raymoe_cache_slots_used{{model="{MODEL}"}}'] == MAX_RUNNING
+        # A stream that already ended at an end token freed a slot of its micro-batch group, which a waiting
+        # request of another group cannot take: at most one such slot per group (4) can be free here.
+        used = metrics[f'raymoe_cache_slots_used{{model="{MODEL}"}}']
+        assert MAX_RUNNING - 4 <= used <= MAX_RUNNING
         assert metrics[f'raymoe_queue_limit{{model="{MODEL}"}}'] == MAX_QUEUED
         assert metrics[f'raymoe_requests_total{{endpoint="chat",model="{MODEL}",status="503"}}'] >= 1
         assert len(held) >= MAX_RUNNING + MAX_QUEUED
