@@ -259,8 +259,8 @@ def test_queue_full_is_503_and_capacity_comes_back(client, server):
         assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
         assert set(error) == {"message", "type", "param", "code"}
         metrics = parse_metrics(get_text(server + "/metrics"))
-        # A stream that already ended at an end token freed a slot of its micro-batch group, which a waiting
-        # request of another group cannot take: at most one such slot per group (4) can be free here.
+        # A stream that already ended at an end token freed a slot of its micro-batch group, which a request
+        # waiting in another group cannot take; the tiny model rarely ends a stream this early.
         used = metrics[f'raymoe_cache_slots_used{{model="{MODEL}"}}']
         assert MAX_RUNNING - 4 <= used <= MAX_RUNNING
         assert metrics[f'raymoe_queue_limit{{model="{MODEL}"}}'] == MAX_QUEUED
