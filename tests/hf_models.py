@@ -162,3 +162,18 @@ def assert_prompt_logprobs_match(result: dict, ref: torch.Tensor, tol: float):
         top_lp = torch.tensor([lp for _, lp in e["top"]])
         assert torch.allclose(top_lp, ref[i][top_ids], atol=tol, rtol=0)
         assert torch.allclose(top_lp, torch.topk(ref[i], len(top_ids)).values, atol=tol, rtol=0)
+
+
+def assert_greedy_matches(model_files, oracle, prompt: list[int], n_new: int = 24):
+    """Greedy continuation of exactly n_new tokens (no stop at end tokens) equals the oracle's."""
+    from stages.engine import LocalEngine
+    from stages.sampling import SamplingParams
+
+    engine = LocalEngine(model_files)
+    engine.eos_ids = set()
+    seq = engine.add_request("r", prompt, SamplingParams(max_tokens=n_new, temperature=0))
+    engine.run_until_done()
+    with torch.no_grad():
+        ref = oracle.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    assert seq.output_ids == ref[0, len(prompt):].tolist()

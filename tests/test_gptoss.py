@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
 from deploy.tiny_tokenizer import build_tiny_tokenizer
-from hf_models import (assert_prompt_logprobs_match, hf_logprobs, make_gptoss, mxfp4_to_float, random_mxfp4,
-                       run_one as run)
+from hf_models import (assert_greedy_matches, assert_prompt_logprobs_match, hf_logprobs, make_gptoss,
+                       mxfp4_to_float, random_mxfp4, run_one as run)
 from kernels.dequant import dequantize
 from stages import gptoss
 from stages.chat import render_chat
@@ -110,14 +110,7 @@ def test_prompt_logprobs_match_transformers(hf_model, gguf_path, unquantised_dir
 @pytest.mark.parametrize("path", ["hf", "gguf"])
 def test_greedy_continuation_matches_transformers(hf_model, gguf_path, prompt, path):
     files = open_model(hf_model[0] if path == "hf" else gguf_path)
-    engine = LocalEngine(files)
-    engine.eos_ids = set()          # exactly 24 tokens, as asked of the oracle
-    seq = engine.add_request("r", prompt[:20], SamplingParams(max_tokens=24, temperature=0))
-    engine.run_until_done()
-    with torch.no_grad():
-        ref = hf_model[1].generate(torch.tensor([prompt[:20]]), max_new_tokens=24, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-    assert seq.output_ids == ref[0, 20:].tolist()
+    assert_greedy_matches(files, hf_model[1], prompt[:20])
 
 
 def test_prefill_then_decode_equals_full_forward(hf_model, prompt):
