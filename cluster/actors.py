@@ -14,9 +14,7 @@ import torch
 
 from stages.errors import RaymoeError
 from stages.loader import open_model
-from stages.stage import Stage
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from stages.stage import PRECISIONS, Stage
 
 
 def peak_rss_bytes() -> int:
@@ -49,8 +47,10 @@ class ExpertActor:
         model = open_model(model_path)
         shapes = model.expected_shapes(range(*layers), False, False)
 
+        activations, int8 = PRECISIONS[dtype]
+
         def w(name, as_dtype=None):
-            return model.weight(name, shapes[name], as_dtype or DTYPES[dtype])
+            return model.weight(name, shapes[name], as_dtype or activations, int8=int8 and as_dtype is None)
 
         self.experts = {i: model.arch.load_experts(model.config, w, i, range(*experts)) for i in range(*layers)}
 
@@ -72,7 +72,7 @@ class StageActor:
             torch.set_num_threads(threads)
             model = open_model(model_path)
             remote = ExpertClient(expert_actors) if expert_actors else None
-            self.stage = Stage(model, range(*layers), DTYPES[dtype], remote_experts=remote)
+            self.stage = Stage(model, range(*layers), dtype, remote_experts=remote)
             self.hidden_size = model.config.hidden
         except RaymoeError as e:      # reported by ping(), as a clean one-line error
             self.init_error = e

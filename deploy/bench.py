@@ -78,13 +78,13 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 # ---- engines ---------------------------------------------------------------------------------
 
-def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, dtype=torch.float32) -> dict:
+def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, precision: str = "float32") -> dict:
     from stages.engine import LocalEngine
     from stages.loader import open_model
     from stages.sampling import SamplingParams
     from stages.scheduler import Scheduler
 
-    engine = LocalEngine(open_model(path), dtype=dtype, scheduler=Scheduler(max_batch_tokens=n_prompt,
+    engine = LocalEngine(open_model(path), precision=precision, scheduler=Scheduler(max_batch_tokens=n_prompt,
                                                                             prefill_chunk=n_prompt))
     engine.eos_ids = set()
 
@@ -144,6 +144,8 @@ def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
     return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode, "batch16_tok_s": None}
 
 
+# raymoe-f32 is the exact float32 mode; the Q8_0 and MXFP4 files run `--dtype int8`
+FLOAT32_ENGINES = {"raymoe-f32"}
 ENGINES = ["raymoe-f32", "raymoe-q8_0", "raymoe-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-f32",
            "raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4"]
 
@@ -156,12 +158,12 @@ def run_engine(name: str, quick: bool) -> dict | None:
     oss = build_model("gptoss", "gptoss", gptoss_config, gptoss_tensors, GPTOSS_SHAPE, ["f32"])
     runs = {
         "raymoe-f32": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16),
-        "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16),
-        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, torch.bfloat16),
+        "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16, "int8"),
+        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, "bfloat16"),
         "llama.cpp-f32": lambda: bench_llama_cpp(qwen["f32"], n_prompt, n_decode),
         "llama.cpp-q8_0": lambda: bench_llama_cpp(qwen["q8_0"], n_prompt, n_decode),
         "transformers-f32": lambda: bench_transformers(qwen["hf"], n_prompt, n_decode),
-        "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16),
+        "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16, "int8"),
         "llama.cpp-gptoss-mxfp4": lambda: bench_llama_cpp(oss["f32"], n_prompt, n_decode),
     }
     return runs[name]()
@@ -185,7 +187,7 @@ def bench_engines(quick: bool) -> dict:
         cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
         # float32 raymoe runs as its stage actors do (cluster/pipeline.py); everything else with
         # OpenMP workers spinning, which suits a process that has the cores to itself
-        float32_raymoe = name.startswith("raymoe") and name != "raymoe-bf16"
+        float32_raymoe = name in FLOAT32_ENGINES
         env = {**os.environ, "OMP_WAIT_POLICY": FLOAT32_OMP_WAIT_POLICY if float32_raymoe else "ACTIVE"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

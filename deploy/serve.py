@@ -311,7 +311,8 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="as for deploy.generate: float32 is exact, the others faster and approximate")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor")

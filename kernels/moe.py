@@ -5,13 +5,13 @@ routed to it; results are scaled by their routing weight and scattered back.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .linear import linear
+from .linear import grouped_linear
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
@@ -43,25 +43,21 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
 
     x [T, H]; ids [T, k]; gate_up [E', 2F, H]; down [E', H, F] hold experts `experts`
     (all E when None), indexed relative to experts.start. Returns (slots, rows): flat slot
-    indices t*k + j and their outputs [n, H]. Each expert runs one matmul over its tokens.
+    indices t*k + j and their outputs [n, H]. Slots are sorted by expert, so each expert
+    runs one product over its tokens, and the activation runs once over all of them.
     """
     experts = experts if experts is not None else range(gate_up.shape[0])
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=experts.stop).tolist()
-    starts = [0, *itertools.accumulate(counts)]
-    slots, rows = [], []
-    for e in experts:
-        if counts[e] == 0:
-            continue
-        mine = order[starts[e]:starts[e + 1]]
-        local = e - experts.start
-        h = linear(x[mine // ids.shape[1]], gate_up[local], None if gate_up_bias is None else gate_up_bias[local])
-        rows.append(linear(activation(h), down[local], None if down_bias is None else down_bias[local]))
-        slots.append(mine)
-    if not slots:
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")
+    order = order[(flat[order] >= experts.start) & (flat[order] < experts.stop)]
+    if len(order) == 0:
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
-    return torch.cat(slots), torch.cat(rows)
+    local = flat[order] - experts.start
+    cuts = (np.flatnonzero(np.diff(local)) + 1).tolist()
+    groups = [(int(local[a]), a, b) for a, b in zip([0, *cuts], [*cuts, len(order)])]
+    slots = torch.from_numpy(order)
+    h = grouped_linear(x[slots // ids.shape[1]], gate_up, groups, gate_up_bias)
+    return slots, grouped_linear(activation(h), down, groups, down_bias)
 
 
 def combine_slots(slots: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,7 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain `x / rms(x) * w` (GGUF convention: zero-centred weights already carry their +1)."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).to(x.dtype)
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

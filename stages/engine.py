@@ -99,13 +99,13 @@ class EngineCore:
 
 
 class LocalEngine(EngineCore):
-    def __init__(self, model: ModelFiles, n_stages: int = 1, dtype: torch.dtype = torch.float32,
+    def __init__(self, model: ModelFiles, n_stages: int = 1, precision: str = "float32",
                  scheduler: Scheduler | None = None, n_groups: int = 1):
         super().__init__(model.config, model.tokenizer, n_groups)
         if scheduler is not None:
             self.groups = [scheduler]
         self.model = model
-        self.stages = [Stage(model, r, dtype) for r in split_layers(model.n_layers, n_stages)]
+        self.stages = [Stage(model, r, precision) for r in split_layers(model.n_layers, n_stages)]
         self._next_group = 0
 
     def step(self) -> list[Sequence]:

@@ -21,6 +21,7 @@ import torch
 
 from kernels.attention import attention
 from kernels.linear import linear
+from kernels.int8 import cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 
@@ -291,7 +292,7 @@ def load_experts(cfg: GptOssConfig, w, layer: int, experts: range | None = None)
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
     pick = (lambda t: t) if experts is None else (lambda t: t[experts.start:experts.stop].clone())
-    gate_up = torch.cat((pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))), dim=1)
+    gate_up = cat_weights([pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))], dim=1)
     gate_up_bias = torch.cat((pick(w(p + "ffn_gate_exps.bias")), pick(w(p + "ffn_up_exps.bias"))), dim=1)
     down, down_bias = pick(w(p + "ffn_down_exps.weight")), pick(w(p + "ffn_down_exps.bias"))
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kernels.int8 import quantize_rows
+
 from .errors import ModelFormatError
 from .gguf_file import GGUFFile
 
@@ -51,10 +53,14 @@ class ModelFiles:
                 shapes["output.weight"] = glob["output.weight"]
         return shapes
 
-    def weight(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def weight(self, name: str, shape: tuple, dtype: torch.dtype, int8: bool = False):
+        """The tensor in `dtype`; with int8, a product weight the file stores quantised comes as
+        an Int8Weight instead (kernels/int8.py). The embedding is a lookup, not a product."""
         t = self.source.get(name)
         if tuple(t.shape) != tuple(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+        if int8 and name != "token_embd.weight" and self.source.is_quantized(name):
+            return quantize_rows(t)
         return t.to(dtype).contiguous()
 
 

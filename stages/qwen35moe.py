@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kernels.attention import attention
 from kernels.linear import linear
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
+from kernels.int8 import cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -204,19 +205,18 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class DeltaNetMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
-        self.qkv = w(p + "attn_qkv.weight")
-        self.z = w(p + "attn_gate.weight")
+        # Projections of the same input are stacked into one product each (fewer, larger products).
+        self.qkv_z = cat_weights([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight")])
         self.conv = w(p + "ssm_conv1d.weight")
         self.dt_bias = w(p + "ssm_dt.bias", torch.float32)
         self.a = w(p + "ssm_a", torch.float32)
-        self.beta = w(p + "ssm_beta.weight")
-        self.alpha = w(p + "ssm_alpha.weight")
+        self.beta_alpha = cat_weights([w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")])
         self.norm = w(p + "ssm_norm.weight")
         self.out = w(p + "ssm_out.weight")
 
     def new_cache(self):
         c = self.cfg
-        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.qkv.dtype)
+        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.conv.dtype)
 
     def _heads(self, mixed: torch.Tensor):
         """Split conv output [n, conv_dim] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
@@ -230,10 +230,10 @@ class DeltaNetMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c = self.cfg
-        qkv = linear(x, self.qkv)
-        z = linear(x, self.z)
-        beta = torch.sigmoid(linear(x, self.beta).float())
-        g = self.a * F.softplus(linear(x, self.alpha).float() + self.dt_bias)
+        qkv, z = linear(x, self.qkv_z).split([c.conv_dim, c.value_dim], dim=-1)
+        beta, alpha = linear(x, self.beta_alpha).float().split(c.n_v_heads, dim=-1)
+        beta = torch.sigmoid(beta)
+        g = self.a * F.softplus(alpha + self.dt_bias)
         y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim)
         singles = []
         for sid, rows, _ in ctx.batch.segments():
@@ -247,7 +247,7 @@ class DeltaNetMixer:
             y[rows], cache.state = rule(q, k, v, g[rows], beta[rows], cache.state)
         if singles:
             self._decode_step(qkv, g, beta, singles, y)
-        y = gated_rms_norm(y.to(x.dtype), z.view(y.shape), self.norm, c.rms_eps)
+        y = gated_rms_norm(y.to(x.dtype), z.reshape(y.shape), self.norm, c.rms_eps)
         return linear(y.reshape(x.shape[0], c.value_dim), self.out)
 
     def _decode_step(self, qkv, g, beta, singles, y):
@@ -265,9 +265,7 @@ class DeltaNetMixer:
 class GatedAttentionMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
-        self.q = w(p + "attn_q.weight")
-        self.k = w(p + "attn_k.weight")
-        self.v = w(p + "attn_v.weight")
+        self.qkv = cat_weights([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])
         self.q_norm = w(p + "attn_q_norm.weight")
         self.k_norm = w(p + "attn_k_norm.weight")
         self.o = w(p + "attn_output.weight")
@@ -278,10 +276,11 @@ class GatedAttentionMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, T = self.cfg, x.shape[0]
-        qg = linear(x, self.q).view(T, c.n_head, 2 * c.head_dim)
+        kv_dim = c.n_kv_head * c.head_dim
+        qg, k, v = linear(x, self.qkv).split([2 * c.n_head * c.head_dim, kv_dim, kv_dim], dim=-1)
+        qg = qg.reshape(T, c.n_head, 2 * c.head_dim)
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
-        k = linear(x, self.k).view(T, c.n_kv_head, c.head_dim)
-        v = linear(x, self.v).view(T, c.n_kv_head, c.head_dim)
+        k, v = k.reshape(T, c.n_kv_head, c.head_dim), v.reshape(T, c.n_kv_head, c.head_dim)
         q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
         if "rope" not in ctx.memo:
             ctx.memo["rope"] = rope_cos_sin(ctx.positions, self.inv_freq)
@@ -300,7 +299,7 @@ def load_experts(cfg: Qwen35MoeConfig, w, layer: int, experts: range | None = No
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
     pick = (lambda t: t) if experts is None else (lambda t: t[experts.start:experts.stop].clone())
-    gate_up = torch.cat((pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))), dim=1)
+    gate_up = cat_weights([pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))], dim=1)
     down = pick(w(p + "ffn_down_exps.weight"))
     return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, experts=experts)
 
@@ -309,24 +308,27 @@ class MoEFeedForward:
     def __init__(self, cfg: Qwen35MoeConfig, w, layer: int, remote_experts=None):
         p = f"blk.{layer}."
         self.cfg = cfg
-        self.router = w(p + "ffn_gate_inp.weight")
         # Routed experts run here, or in expert actors behind `remote_experts(layer, x, ids)`.
         if remote_experts is None:
             self.experts = load_experts(cfg, w, layer)
         else:
             self.experts = lambda x, ids: remote_experts(layer, x, ids)
-        self.shared = bool(cfg.shared_ff)
-        if self.shared:
-            self.shared_gate = w(p + "ffn_gate_inp_shexp.weight").view(1, -1)
-            self.shared_gate_up = torch.cat((w(p + "ffn_gate_shexp.weight"), w(p + "ffn_up_shexp.weight")))
+        # One product gives the router logits and, with a shared expert, its gate and gate/up.
+        inputs = [w(p + "ffn_gate_inp.weight")]
+        if cfg.shared_ff:
+            inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w(p + "ffn_gate_shexp.weight"),
+                       w(p + "ffn_up_shexp.weight")]
             self.shared_down = w(p + "ffn_down_shexp.weight")
+        self.inputs = cat_weights(inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax_topk(linear(x, self.router), self.cfg.n_expert_used)
+        c = self.cfg
+        sizes = [c.n_expert, 1, 2 * c.shared_ff] if c.shared_ff else [c.n_expert, 0, 0]
+        logits, shared_gate, shared_gate_up = linear(x, self.inputs).split(sizes, dim=-1)
+        weights, ids = route_softmax_topk(logits, c.n_expert_used)
         y = combine_slots(*self.experts(x, ids), weights)
-        if self.shared:
-            s = linear(swiglu(linear(x, self.shared_gate_up)), self.shared_down)
-            y = y + torch.sigmoid(linear(x, self.shared_gate)) * s
+        if c.shared_ff:
+            y = y + torch.sigmoid(shared_gate) * linear(swiglu(shared_gate_up), self.shared_down)
         return y
 
 

@@ -8,27 +8,33 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norms import rms_norm
-from kernels.linear import linear
+from kernels.linear import linear, torch_threads_for
 
 from .batch import StepBatch, StepContext
 from .loader import ModelFiles
 
 
+# --dtype: activation dtype, and whether weights the file stores quantised stay int8 (kernels/int8.py)
+PRECISIONS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+
+
 class Stage:
-    def __init__(self, model: ModelFiles, layers: range, dtype: torch.dtype = torch.float32, remote_experts=None):
-        """remote_experts(layer, x, ids) -> (slots, rows), when routed experts live in expert actors."""
+    def __init__(self, model: ModelFiles, layers: range, precision: str = "float32", remote_experts=None):
+        """precision: a key of PRECISIONS. remote_experts(layer, x, ids) -> (slots, rows), when routed
+        experts live in expert actors."""
         self.config = model.config
         self.layers_range = layers
         self.first = layers.start == 0
         self.last = layers.stop == model.n_layers
+        dtype, int8 = PRECISIONS[precision]
         self.dtype = dtype
         shapes = model.expected_shapes(layers, self.first, self.last)
 
         self.weight_bytes = 0
 
         def w(name, as_dtype=None):
-            t = model.weight(name, shapes[name], as_dtype or dtype)
-            self.weight_bytes += t.numel() * t.element_size()
+            t = model.weight(name, shapes[name], as_dtype or dtype, int8=int8 and as_dtype is None)
+            self.weight_bytes += t.nbytes
             return t
 
         self.embed = w("token_embd.weight") if "token_embd.weight" in shapes else None
@@ -59,9 +65,10 @@ class Stage:
         x = F.embedding(batch.token_ids, self.embed) if self.first else hidden.to(self.dtype)
         ctx = StepContext(batch=batch, positions=batch.positions(),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
-        for layer in self.layers:
-            x = layer(x, ctx)
-        if not self.last:
-            return x
-        x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
-        return linear(x, self.head).float()
+        with torch_threads_for(self.dtype, batch.n_tokens):
+            for layer in self.layers:
+                x = layer(x, ctx)
+            if not self.last:
+                return x
+            x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
+            return linear(x, self.head).float()
