@@ -26,12 +26,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
 
 
 def delta_rule_step(q, k, v, g, beta, state):
-    """One token for a batch of heads: q/k [..., dk], v [..., dv], g/beta [...], state [..., dk, dv] (updated in place)."""
-    state.mul_(g.exp()[..., None, None])
-    kv_mem = torch.einsum("...k,...kv->...v", k, state)
-    delta = (v - kv_mem) * beta[..., None]
-    state.add_(k[..., :, None] * delta[..., None, :])
-    return torch.einsum("...k,...kv->...v", q, state)
+    """One token for a batch of heads: q/k [..., dk], v [..., dv], g/beta [...], state [..., dk, dv]
+    contiguous (updated in place).
+
+    Both reads of the state (k^T S, q^T S) come from one product with the old state, and the
+    update `S <- exp(g) S + k delta^T` runs in place, so the state is read three times and
+    written twice per token rather than materialising the outer product.
+    """
+    dk, dv = state.shape[-2:]
+    S = state.view(-1, dk, dv)
+    decay = g.exp()[..., None]
+    reads = torch.bmm(torch.stack((k, q), dim=-2).reshape(-1, 2, dk), S).view(*state.shape[:-2], 2, dv)
+    delta = (v - decay * reads[..., 0, :]) * beta[..., None]
+    S.mul_(decay.reshape(-1, 1, 1)).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+    return decay * reads[..., 1, :] + delta * (k * q).sum(-1, keepdim=True)
 
 
 def delta_rule_recurrent(q, k, v, g, beta, state):

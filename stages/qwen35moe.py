@@ -213,6 +213,7 @@ class DeltaNetMixer:
         self.beta_alpha = cat_weights([w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")])
         self.norm = w(p + "ssm_norm.weight")
         self.out = w(p + "ssm_out.weight")
+        self._stacked, self._stacked_views = None, []
 
     def new_cache(self):
         c = self.cfg
@@ -251,15 +252,26 @@ class DeltaNetMixer:
         return linear(y.reshape(x.shape[0], c.value_dim), self.out)
 
     def _decode_step(self, qkv, g, beta, singles, y):
-        """One token for each of several sequences at once: their states are stacked for the step."""
+        """One token for each of several sequences at once, their states stacked."""
         idx = torch.tensor([row for row, _ in singles])
         caches = [cache for _, cache in singles]
         mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, torch.stack([ch.conv for ch in caches]))
         q, k, v = self._heads(mixed[:, 0])
-        state = torch.stack([ch.state for ch in caches])
-        y[idx] = delta_rule_step(q * self.cfg.k_head_dim ** -0.5, k, v.float(), g[idx], beta[idx], state)
+        y[idx] = delta_rule_step(q * self.cfg.k_head_dim ** -0.5, k, v.float(), g[idx], beta[idx],
+                                 self._stacked_states(caches))
         for i, ch in enumerate(caches):
-            ch.conv, ch.state = conv[i], state[i]
+            ch.conv = conv[i]
+
+    def _stacked_states(self, caches) -> torch.Tensor:
+        """The caches' states as one tensor [n, H, dk, dv] that each cache then holds a view of:
+        while the same sequences keep decoding together, later steps find them stacked already."""
+        views = self._stacked_views
+        if len(views) != len(caches) or any(ch.state is not v for ch, v in zip(caches, views)):
+            self._stacked = torch.stack([ch.state for ch in caches])
+            self._stacked_views = list(self._stacked)
+            for ch, v in zip(caches, self._stacked_views):
+                ch.state = v
+        return self._stacked
 
 
 class GatedAttentionMixer:
