@@ -1,11 +1,14 @@
-"""Memory-mapped GGUF access built on gguf-py's reader.
+"""GGUF access built on gguf-py's reader.
 
-Only metadata is parsed eagerly; tensor bytes stay in the mmap until a stage asks
-for a tensor by name, so a pipeline stage touches only its own layers.
+The reader parses metadata and the tensor table once; only plain values and each tensor's
+type, shape and place in the file are kept (the reader's own objects take ~45 MB for a 32k
+vocabulary). Tensor bytes are read when a stage asks for a tensor by name, so a pipeline
+stage reads only its own layers.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +42,15 @@ def arch_key_reader(meta: dict, arch: str, where: str):
     return key
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    tensor_type: Any              # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]        # ggml order, fastest dimension first
+    data_offset: int
+    n_bytes: int
+
+
 class GGUFFile:
     def __init__(self, path: str):
         import gguf
@@ -50,17 +62,18 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise ModelFormatError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         try:
-            self.reader = gguf.GGUFReader(path, "r")
+            reader = gguf.GGUFReader(path, "r")
         except Exception as e:  # gguf-py raises assorted errors on damaged files
             raise ModelFormatError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
         self.path = path
-        self.metadata = metadata_dict(self.reader)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.metadata = metadata_dict(reader)
+        self.tensors = {t.name: TensorInfo(t.name, t.tensor_type, tuple(int(x) for x in t.shape), int(t.data_offset),
+                                           int(t.n_bytes)) for t in reader.tensors}
         self._check_bounds()
 
     def _check_bounds(self):
         size = os.path.getsize(self.path)
-        for t in self.reader.tensors:
+        for t in self.tensors.values():
             if t.data_offset + t.n_bytes > size:
                 raise ModelFormatError(f"{self.path}: truncated GGUF file (tensor {t.name} runs past the end)")
 
@@ -76,14 +89,7 @@ class GGUFFile:
 
     def ggml_shape(self, name: str) -> tuple[int, ...]:
         """Shape in ggml order (fastest dimension first), as llama.cpp reports it."""
-        return tuple(int(x) for x in self.tensors[name].shape)
-
-    def raw(self, name: str):
-        """The tensor as gguf-py maps it (numpy view on the file), plus its ggml type."""
-        if name not in self.tensors:
-            raise ModelFormatError(f"{self.path}: missing tensor {name}")
-        t = self.tensors[name]
-        return t.data, t.tensor_type
+        return self.tensors[name].shape
 
     def is_quantized(self, name: str) -> bool:
         """Whether the file stores the tensor in a block-quantised type (Q8_0, Q4_K, MXFP4, ...)."""

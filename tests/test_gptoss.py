@@ -269,6 +269,6 @@ def test_stage_split_and_embedded_model(gguf_path, prompt):
     assert results[0] == results[1]
     tiny = open_model("tiny-gptoss")
     assert tiny.arch is gptoss and tiny.path.endswith(".gguf")
-    assert tiny.source.raw("blk.0.ffn_down_exps.weight")[1] == gguf.GGMLQuantizationType.MXFP4
+    assert tiny.source.tensors["blk.0.ffn_down_exps.weight"].tensor_type == gguf.GGMLQuantizationType.MXFP4
     out = run(tiny, tiny.tokenizer.encode("Hello, my name is"), max_tokens=8)
     assert len(out["token_ids"]) >= 1
