@@ -123,6 +123,7 @@ class StageActor:
     def stats(self) -> dict:
         return {"layers": [self.stage.layers_range.start, self.stage.layers_range.stop],
                 "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                "peak_cache_bytes": self.stage.peak_cache_bytes,
                 "pid": os.getpid()}
 
     def ping(self) -> int:

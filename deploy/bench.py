@@ -246,12 +246,14 @@ def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
                     done += len(engine.wait_finished(5))
             tok_s[str(pp)] = n_seqs * n_tokens / (time.perf_counter() - start)
             rss[str(pp)] = [{"layers": s["layers"], "weights_mb": s["parameter_bytes"] / 2**20,
-                             "peak_rss_mb": s["peak_rss_bytes"] / 2**20} for s in engine.stats()["stages"]]
+                             "caches_mb": s["peak_cache_bytes"] / 2**20, "peak_rss_mb": s["peak_rss_bytes"] / 2**20}
+                            for s in engine.stats()["stages"]]
         finally:
             engine.shutdown()
         print(f"PP={pp}: {tok_s[str(pp)]:8.1f} tok/s  ({tok_s[str(pp)] / tok_s['1']:.2f}x PP=1)   "
-              "stage peak RSS / weights (MB): " +
-              ", ".join(f"{r['peak_rss_mb']:.0f}/{r['weights_mb']:.0f}" for r in rss[str(pp)]))
+              "stage peak RSS / (weights + caches) (MB): " +
+              ", ".join(f"{r['peak_rss_mb']:.0f}/({r['weights_mb']:.0f}+{r['caches_mb']:.0f}) = "
+                        f"{r['peak_rss_mb'] / (r['weights_mb'] + r['caches_mb']):.2f}x" for r in rss[str(pp)]))
     return tok_s, rss
 
 

@@ -43,6 +43,7 @@ class Stage:
             self.norm = w("output_norm.weight")
             self.head = w("output.weight") if "output.weight" in shapes else self.embed
         self.caches: dict[int, dict] = {}
+        self.peak_cache_bytes = 0
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
@@ -52,6 +53,9 @@ class Stage:
         if seq_id not in self.caches:
             self.caches[seq_id] = {layer.index: layer.new_cache() for layer in self.layers}
         return self.caches[seq_id]
+
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes() for caches in self.caches.values() for c in caches.values())
 
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
@@ -68,6 +72,8 @@ class Stage:
         with torch_threads_for(self.dtype, batch.n_tokens):
             for layer in self.layers:
                 x = layer(x, ctx)
+            # a few attribute reads per sequence and layer: negligible next to the step
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes())
             if not self.last:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
