@@ -61,6 +61,8 @@ class DeltaNetCache:
     def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype):
         self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype)
         self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32)
+        # batched decode: `state` is row `stacked_index` of `stacked` while it is `stacked_view`
+        self.stacked = self.stacked_view = self.stacked_index = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))

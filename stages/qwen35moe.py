@@ -213,7 +213,6 @@ class DeltaNetMixer:
         self.beta_alpha = cat_weights([w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")])
         self.norm = w(p + "ssm_norm.weight")
         self.out = w(p + "ssm_out.weight")
-        self._stacked, self._stacked_views = None, []
 
     def new_cache(self):
         c = self.cfg
@@ -262,16 +261,19 @@ class DeltaNetMixer:
         for i, ch in enumerate(caches):
             ch.conv = conv[i]
 
-    def _stacked_states(self, caches) -> torch.Tensor:
+    @staticmethod
+    def _stacked_states(caches) -> torch.Tensor:
         """The caches' states as one tensor [n, H, dk, dv] that each cache then holds a view of:
         while the same sequences keep decoding together, later steps find them stacked already."""
-        views = self._stacked_views
-        if len(views) != len(caches) or any(ch.state is not v for ch, v in zip(caches, views)):
-            self._stacked = torch.stack([ch.state for ch in caches])
-            self._stacked_views = list(self._stacked)
-            for ch, v in zip(caches, self._stacked_views):
-                ch.state = v
-        return self._stacked
+        stacked = caches[0].stacked
+        if stacked is None or stacked.shape[0] != len(caches) or \
+                any(ch.stacked is not stacked or ch.state is not ch.stacked_view or ch.stacked_index != i
+                    for i, ch in enumerate(caches)):
+            stacked = torch.stack([ch.state for ch in caches])
+            for i, ch in enumerate(caches):
+                ch.state = ch.stacked_view = stacked[i]
+                ch.stacked, ch.stacked_index = stacked, i
+        return stacked
 
 
 class GatedAttentionMixer:
