@@ -1,11 +1,12 @@
 """Weights kept as int8 with one scale per output row (`--dtype int8`).
 
 A weight the file stores quantised (Q8_0, Q4_K, MXFP4, ...) is requantised at load to int8
-with a bfloat16 scale per row, a quarter of float32's bytes, and multiplied by bfloat16
-activations through PyTorch's `_weight_int8pack_mm`. Measured here (2 threads): a one-row
-product with a 32000x1024 weight takes 0.9 ms against 2.2 ms for float32 through OpenBLAS.
-The kernel needs the inner dimension to be a multiple of 16 (others give wrong results), so
-weights that are not stay in bfloat16.
+with a bfloat16 scale per row, a quarter of float32's bytes. Products go through PyTorch's
+`_weight_int8pack_mm`, which takes bfloat16 activations: a product's input is rounded to
+bfloat16 and its output comes back in the activations' dtype, so everything else runs in
+float32. Measured here (2 threads): a one-row product with a 32000x1024 weight takes 0.9 ms
+against 2.2 ms for float32 through OpenBLAS. The kernel needs the inner dimension to be a
+multiple of 16 (others give wrong results); other weights are not quantised.
 """
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ class Int8Weight:
         return Int8Weight(self.q.clone(), self.scale.clone())
 
 
-def quantize_rows(w: torch.Tensor) -> Int8Weight | torch.Tensor:
-    """Symmetric int8 per row of the last dimension; bfloat16 when the kernel can't take w."""
+def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
+    """Symmetric int8 per row of the last dimension; None when the kernel can't take w."""
     if w.dim() < 2 or w.shape[-1] % K_MULTIPLE:
-        return w.to(torch.bfloat16)
+        return None
     w = w.float()
     # the scale is rounded to bfloat16 first, so q is computed against the scale actually used
     scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
@@ -49,16 +50,22 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale)
+    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype."""
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale).to(x.dtype)
     return y if bias is None else y.add_(bias)
 
 
 def cat_weights(weights: list, dim: int = 0):
-    """torch.cat for weights that may be Int8Weight (float ones among them are quantised too)."""
+    """torch.cat (along a dimension other than the last) for weights that may be Int8Weight; float
+    ones joining them are quantised too (they share the inner size, so the kernel takes them)."""
     if not any(isinstance(w, Int8Weight) for w in weights):
         return torch.cat(weights, dim)
     parts = [w if isinstance(w, Int8Weight) else quantize_rows(w) for w in weights]
-    if not all(isinstance(p, Int8Weight) for p in parts):
-        return torch.cat([p.q.to(torch.bfloat16) * p.scale[..., None] if isinstance(p, Int8Weight) else p
-                          for p in parts], dim)
     return Int8Weight(torch.cat([p.q for p in parts], dim), torch.cat([p.scale for p in parts], dim))
+
+
+def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows of a float or Int8Weight table, as float32 for an Int8Weight."""
+    if isinstance(table, Int8Weight):
+        return table.q[ids].float() * table.scale[ids].float()[:, None]
+    return torch.nn.functional.embedding(ids, table)

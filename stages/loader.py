@@ -54,14 +54,13 @@ class ModelFiles:
         return shapes
 
     def weight(self, name: str, shape: tuple, dtype: torch.dtype, int8: bool = False):
-        """The tensor in `dtype`; with int8, a product weight the file stores quantised comes as
-        an Int8Weight instead (kernels/int8.py). The embedding is a lookup, not a product."""
+        """The tensor in `dtype`; with int8, a matrix the file stores quantised comes as an
+        Int8Weight instead when the int8 kernel can take it (kernels/int8.py)."""
         t = self.source.get(name)
         if tuple(t.shape) != tuple(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-        if int8 and name != "token_embd.weight" and self.source.is_quantized(name):
-            return quantize_rows(t)
-        return t.to(dtype).contiguous()
+        q = quantize_rows(t) if int8 and self.source.is_quantized(name) else None
+        return q if q is not None else t.to(dtype).contiguous()
 
 
 def resolve_model_path(model: str) -> str:

@@ -5,9 +5,9 @@ The stage owns the caches of every sequence that passes through it, keyed by seq
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.norms import rms_norm
+from kernels.int8 import lookup_rows
 from kernels.linear import linear, torch_threads_for
 
 from .batch import StepBatch, StepContext
@@ -15,7 +15,7 @@ from .loader import ModelFiles
 
 
 # --dtype: activation dtype, and whether weights the file stores quantised stay int8 (kernels/int8.py)
-PRECISIONS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+PRECISIONS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.float32, True)}
 
 
 class Stage:
@@ -27,7 +27,7 @@ class Stage:
         self.first = layers.start == 0
         self.last = layers.stop == model.n_layers
         dtype, int8 = PRECISIONS[precision]
-        self.dtype = dtype
+        self.dtype, self.int8 = dtype, int8
         shapes = model.expected_shapes(layers, self.first, self.last)
 
         self.weight_bytes = 0
@@ -66,10 +66,10 @@ class Stage:
 
         Returns hidden states [T, H], or on the last stage float32 logits for batch.logit_rows.
         """
-        x = F.embedding(batch.token_ids, self.embed) if self.first else hidden.to(self.dtype)
+        x = (lookup_rows(self.embed, batch.token_ids) if self.first else hidden).to(self.dtype)
         ctx = StepContext(batch=batch, positions=batch.positions(),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
-        with torch_threads_for(self.dtype, batch.n_tokens):
+        with torch_threads_for(self.dtype == torch.float32 and not self.int8, batch.n_tokens):
             for layer in self.layers:
                 x = layer(x, ctx)
             # a few attribute reads per sequence and layer: negligible next to the step
