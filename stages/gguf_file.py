@@ -91,11 +91,6 @@ class GGUFFile:
         """Shape in ggml order (fastest dimension first), as llama.cpp reports it."""
         return self.tensors[name].shape
 
-    def is_quantized(self, name: str) -> bool:
-        """Whether the file stores the tensor in a block-quantised type (Q8_0, Q4_K, MXFP4, ...)."""
-        from gguf import GGMLQuantizationType as Q
-        return name in self.tensors and self.tensors[name].tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64)
-
     def get(self, name: str) -> torch.Tensor:
         """Dequantised float32 tensor in torch order (slowest dimension first).
 

@@ -84,11 +84,6 @@ class GptOssHFWeights:
         """Only the LM head is optional (tied to the embedding when absent)."""
         return self.files.has("lm_head.weight") if name == "output.weight" else True
 
-    def is_quantized(self, name: str) -> bool:
-        """Whether the checkpoint stores the tensor as MXFP4 (expert weights of a quantised checkpoint)."""
-        m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+_exps)\.weight", name)
-        return bool(m) and self.files.has(f"model.layers.{m.group(1)}.mlp.experts.{EXPERT_MAP[m.group(2)][0]}_blocks")
-
     def _split(self, name: str):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
         if not m:

@@ -54,12 +54,12 @@ class ModelFiles:
         return shapes
 
     def weight(self, name: str, shape: tuple, dtype: torch.dtype, int8: bool = False):
-        """The tensor in `dtype`; with int8, a matrix the file stores quantised comes as an
-        Int8Weight instead when the int8 kernel can take it (kernels/int8.py)."""
+        """The tensor in `dtype`; with int8, a weight matrix comes as an Int8Weight instead when
+        the int8 kernel can take it (kernels/int8.py). Biases stay float: they are added, not multiplied."""
         t = self.source.get(name)
         if tuple(t.shape) != tuple(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-        q = quantize_rows(t) if int8 and self.source.is_quantized(name) else None
+        q = quantize_rows(t) if int8 and name.endswith(".weight") else None
         return q if q is not None else t.to(dtype).contiguous()
 
 

@@ -66,9 +66,6 @@ class Qwen35MoeHFWeights:
         """Only the LM head is optional (tied to the embedding when absent)."""
         return self.files.has("lm_head.weight") if name == "output.weight" else True
 
-    def is_quantized(self, name: str) -> bool:
-        return False             # only float checkpoints are read
-
     def get(self, name: str) -> torch.Tensor:
         if name == "output.weight":
             return self._hf("lm_head.weight")
