@@ -1,6 +1,6 @@
 """Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m deploy.bench [--quick] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops]
+    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops]
 
 Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
 32 experts top-4, expert FF 512, 32k vocabulary (~450M parameters, ~90M active) as F32 and
@@ -169,39 +169,58 @@ def run_engine(name: str, quick: bool) -> dict | None:
     return runs[name]()
 
 
-def bench_engines(quick: bool) -> dict:
-    """Every engine in a fresh process of its own: thread pools left spinning by one engine
-    (OpenMP, OpenBLAS, ggml) must not slow the next."""
+FIELDS = ("prefill_tok_s", "decode_tok_s", "batch16_tok_s")
+
+
+def run_engine_process(name: str, quick: bool) -> dict | str | None:
+    """One engine's numbers from a fresh process of its own (thread pools left spinning by one
+    engine, OpenMP, OpenBLAS or ggml, must not slow the next); an error line, or None when
+    llama-cpp-python is missing."""
     import subprocess
 
     from cluster.pipeline import FLOAT32_OMP_WAIT_POLICY
+
+    cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
+    # float32 raymoe runs as its stage actors do (cluster/pipeline.py); everything else with
+    # OpenMP workers spinning, which suits a process that has the cores to itself
+    env = {**os.environ, "OMP_WAIT_POLICY": FLOAT32_OMP_WAIT_POLICY if name in FLOAT32_ENGINES else "ACTIVE"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
+    if proc.returncode != 0 or not lines:
+        return "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(lines[-1])
+
+
+def bench_engines(quick: bool, repeat: int = 1) -> dict:
+    """Each figure is the median of `repeat` rounds; a round runs every engine once, so that a slow
+    spell of this shared machine lands on all engines alike."""
+    import statistics
 
     n_prompt, n_decode = (128, 32) if quick else (512, 128)
     for kind in ("qwen35moe", "gptoss"):        # build the files once, before any timing
         build_model(kind, kind, *((qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32", "q8_0"])
                                   if kind == "qwen35moe" else (gptoss_config, gptoss_tensors, GPTOSS_SHAPE, ["f32"])))
-    results = {}
-    print(f"\n== engines: {THREADS} threads; prefill {n_prompt} tokens, decode {n_decode} tokens, batch of 16")
+    rounds = {name: [] for name in ENGINES}
+    problems = {}
+    for i in range(repeat):
+        print(f"round {i + 1} of {repeat} ...", file=sys.stderr)
+        for name in ENGINES:
+            r = run_engine_process(name, quick)
+            if isinstance(r, dict):
+                rounds[name].append(r)
+            else:
+                problems[name] = r or "(llama-cpp-python is not installed: make bench-deps)"
+    results = {name: {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None) for k in FIELDS}
+               for name, runs in rounds.items() if runs}
+    print(f"\n== engines: {THREADS} threads; prefill {n_prompt} tokens, decode {n_decode} tokens, batch of 16; "
+          f"median of {repeat} round(s)")
     print(f"{'engine':<26}{'prefill tok/s':>15}{'decode tok/s':>15}{'batch16 tok/s':>15}")
     for name in ENGINES:
-        cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
-        # float32 raymoe runs as its stage actors do (cluster/pipeline.py); everything else with
-        # OpenMP workers spinning, which suits a process that has the cores to itself
-        float32_raymoe = name in FLOAT32_ENGINES
-        env = {**os.environ, "OMP_WAIT_POLICY": FLOAT32_OMP_WAIT_POLICY if float32_raymoe else "ACTIVE"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            print(f"{name:<26}  failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-            continue
-        r = json.loads(lines[-1])
-        if r is None:
-            print(f"{name:<26}  (llama-cpp-python is not installed: make bench-deps)")
-            continue
-        results[name] = r
-        cells = [f"{r[k]:>15.1f}" if r[k] is not None else f"{'-':>15}"
-                 for k in ("prefill_tok_s", "decode_tok_s", "batch16_tok_s")]
-        print(f"{name:<26}" + "".join(cells))
+        if name in results:
+            r = results[name]
+            print(f"{name:<26}" + "".join(f"{r[k]:>15.1f}" if r[k] is not None else f"{'-':>15}" for k in FIELDS))
+        else:
+            print(f"{name:<26}  {problems.get(name, '?')}")
     print_ratios(results)
     return results
 
@@ -220,8 +239,15 @@ def print_ratios(r: dict):
         print(f"  batch16 / batch-1 decode (raymoe-f32) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x  (>= 5)")
     print(f"  decode  raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'decode_tok_s')}  (>= 2)")
     print(f"  prefill raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'prefill_tok_s')}  (>= 1)")
-    print(f"  decode  raymoe-bf16 / llama.cpp-f32  {ratio('raymoe-bf16', 'llama.cpp-f32', 'decode_tok_s')}  "
-          "(approximate mode, for reference)")
+    print("approximate modes, for reference (raymoe-q8_0 and raymoe-gptoss-mxfp4 run --dtype int8):")
+    for a, b, key in (("raymoe-bf16", "llama.cpp-f32", "prefill_tok_s"), ("raymoe-bf16", "llama.cpp-f32", "decode_tok_s"),
+                      ("raymoe-q8_0", "llama.cpp-q8_0", "prefill_tok_s"),
+                      ("raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4", "prefill_tok_s"),
+                      ("raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4", "decode_tok_s")):
+        print(f"  {key.split('_')[0]:<7} {a} / {b}  {ratio(a, b, key)}")
+    if "raymoe-q8_0" in r:
+        x = r["raymoe-q8_0"]
+        print(f"  batch16 / batch-1 decode (raymoe-q8_0) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x")
 
 
 # ---- cluster ---------------------------------------------------------------------------------
@@ -295,6 +321,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")
     p.add_argument("--sections", default="engines,pp,hops")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the engines section; figures are medians")
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)    # one engine, JSON out (internal)
     args = p.parse_args(argv)
     if args.engine:
@@ -305,7 +332,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores")
     report = {}
     if "engines" in sections:
-        report["engines"] = bench_engines(args.quick)
+        report["engines"] = bench_engines(args.quick, args.repeat)
     if sections & {"pp", "hops"}:
         from cluster.engine import connect_ray
         connect_ray(8)
