@@ -145,7 +145,8 @@ def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
 
 
 # raymoe-f32 is the exact float32 mode; the Q8_0 and MXFP4 files run `--dtype int8`
-FLOAT32_ENGINES = {"raymoe-f32"}
+RAYMOE_DTYPES = {"raymoe-f32": "float32", "raymoe-q8_0": "int8", "raymoe-bf16": "bfloat16", "raymoe-gptoss-mxfp4": "int8"}
+FLOAT32_ENGINES = {name for name, dtype in RAYMOE_DTYPES.items() if dtype == "float32"}
 ENGINES = ["raymoe-f32", "raymoe-q8_0", "raymoe-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-f32",
            "raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4"]
 
@@ -157,13 +158,13 @@ def run_engine(name: str, quick: bool) -> dict | None:
     qwen = build_model("qwen35moe", "qwen35moe", qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32", "q8_0"])
     oss = build_model("gptoss", "gptoss", gptoss_config, gptoss_tensors, GPTOSS_SHAPE, ["f32"])
     runs = {
-        "raymoe-f32": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16),
-        "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16, "int8"),
-        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, "bfloat16"),
+        "raymoe-f32": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-f32"]),
+        "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-q8_0"]),
+        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-bf16"]),
         "llama.cpp-f32": lambda: bench_llama_cpp(qwen["f32"], n_prompt, n_decode),
         "llama.cpp-q8_0": lambda: bench_llama_cpp(qwen["q8_0"], n_prompt, n_decode),
         "transformers-f32": lambda: bench_transformers(qwen["hf"], n_prompt, n_decode),
-        "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16, "int8"),
+        "raymoe-gptoss-mxfp4": lambda: bench_raymoe(oss["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-gptoss-mxfp4"]),
         "llama.cpp-gptoss-mxfp4": lambda: bench_llama_cpp(oss["f32"], n_prompt, n_decode),
     }
     return runs[name]()
@@ -305,7 +306,8 @@ def plot(report: dict, path: str):
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, r in report.get("engines", {}).items():
         if name.startswith("raymoe") and r.get("batch16_tok_s"):
-            a.plot([1, 16], [r["decode_tok_s"], r["batch16_tok_s"]], marker="o", label=name)
+            a.plot([1, 16], [r["decode_tok_s"], r["batch16_tok_s"]], marker="o",
+                   label=f"{name} (--dtype {RAYMOE_DTYPES[name]})")
     a.set(xlabel="concurrent sequences", ylabel="decode tok/s", title="raymoe decode throughput", xscale="log")
     a.legend()
     pp = report.get("pp_tok_s", {})

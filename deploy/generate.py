@@ -29,8 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4, the same for every --pp)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="float32 is exact; bfloat16 is faster and approximate; int8 also keeps weights "
-                        "the file stores quantised (Q8_0, Q4_K, MXFP4, ...) as int8, with bfloat16 activations")
+                   help="float32 is exact; bfloat16 (activations and weights) and int8 (weight matrices as "
+                        "int8 rows, float32 activations) are faster and approximate")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)

@@ -3,9 +3,10 @@
 float32 products go through numpy's OpenBLAS. Measured here (2 threads, weights out of
 cache): its matrix-vector product reads weights at ~50 GB/s where torch's float32 `F.linear`
 reaches ~18 GB/s, and a 512-row product runs at ~180 against ~150 GFLOP/s. Both are plain
-float32 arithmetic; only the summation order differs. bfloat16 stays with torch. Processes
-that run float32 stages set OMP_WAIT_POLICY=PASSIVE (cluster/pipeline.py), so torch's OpenMP
-workers sleep between ops instead of spinning on the cores OpenBLAS needs.
+float32 arithmetic; only the summation order differs. bfloat16 stays with torch, int8
+weights go to kernels/int8.py. Processes that run float32 stages set OMP_WAIT_POLICY=PASSIVE
+(cluster/pipeline.py), so torch's OpenMP workers sleep between ops instead of spinning on the
+cores OpenBLAS needs.
 """
 from __future__ import annotations
 

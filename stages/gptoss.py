@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import attention
-from kernels.linear import linear
 from kernels.int8 import cat_weights
+from kernels.linear import linear
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 

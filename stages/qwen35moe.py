@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention
-from kernels.linear import linear
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
 from kernels.int8 import cat_weights
+from kernels.linear import linear
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.norms import rms_norm
 from kernels.int8 import lookup_rows
 from kernels.linear import linear, torch_threads_for
+from kernels.norms import rms_norm
 
 from .batch import StepBatch, StepContext
 from .loader import ModelFiles
 
 
-# --dtype: activation dtype, and whether weights the file stores quantised stay int8 (kernels/int8.py)
+# --dtype: the activation dtype, and whether weight matrices are held as int8 rows (kernels/int8.py)
 PRECISIONS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.float32, True)}
 
 
