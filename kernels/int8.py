@@ -50,9 +50,11 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
     return Int8Weight(q.contiguous(), scale.contiguous())
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype."""
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale).to(x.dtype)
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype, or into `out`."""
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale)
+    y = y.to(x.dtype) if out is None else out.copy_(y)
     return y if bias is None else y.add_(bias)
 
 

@@ -25,8 +25,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K], w [N, K] -> [T, N], written into `out` when given."""
     if isinstance(w, Int8Weight):
-        y = int8_linear(x, w, bias)
-        return y if out is None else out.copy_(y)
+        return int8_linear(x, w, bias, out)
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
         y = F.linear(x, w, bias)
         return y if out is None else out.copy_(y)
