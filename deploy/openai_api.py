@@ -40,7 +40,8 @@ def request_error(e: RequestError, default_param: str | None = None) -> APIError
     return APIError(400, message, param=param)
 
 
-SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs")
+SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
+                   "ignore_eos")
 
 
 @dataclass
@@ -104,7 +105,7 @@ def _common(body: dict, served_model: str):
 
 def _sampling(body: dict, max_tokens) -> dict:
     out = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for name in ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"):
         if body.get(name) is not None:
             out[name] = body[name]
     return out

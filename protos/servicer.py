@@ -43,7 +43,7 @@ def engine_request(request: pb.GenerateRequest, serving) -> dict:
     except RequestError as e:
         raise APIError(400, str(e), param=which) from None
     out = {"prompt_token_ids": ids}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos"):
         if request.HasField(name):
             out[name] = getattr(request, name)
     if request.stop:

@@ -26,6 +26,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    ignore_eos: bool = False          # run to max_tokens through end tokens (as vLLM's; for benchmarks)
 
     @classmethod
     def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None) -> "SamplingParams":
@@ -59,6 +60,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):

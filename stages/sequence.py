@@ -56,9 +56,10 @@ class Sequence:
         self._update_text_and_finish(token)
 
     def _update_text_and_finish(self, token: int):
-        ids = self.output_ids[:-1] if token in self.eos_ids else self.output_ids
+        ends = token in self.eos_ids and not self.params.ignore_eos
+        ids = self.output_ids[:-1] if ends else self.output_ids
         self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if token in self.eos_ids:
+        if ends:
             self.finish_reason = "stop"
             return
         for stop in self.params.stop:

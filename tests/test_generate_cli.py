@@ -3,7 +3,10 @@ import json
 import math
 import os
 
+import pytest
+
 from deploy import generate
+from stages.errors import RequestError
 
 FIELDS = {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs"}
 
@@ -101,3 +104,21 @@ def test_bfloat16_mode_is_close_to_float32(tmp_path):
     assert fast["prompt_token_ids"] == exact["prompt_token_ids"]
     diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(exact["prompt_logprobs"][1:], fast["prompt_logprobs"][1:])]
     assert max(diffs) < 0.5 and sum(diffs) > 0        # approximate, and really computed in bfloat16
+
+
+def test_ignore_eos_generates_through_end_tokens():
+    from stages.engine import LocalEngine
+    from stages.loader import open_model
+    from stages.sampling import SamplingParams
+
+    engine = LocalEngine(open_model("tiny-qwen35moe"))
+    first = engine.add_request("first", [5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
+    engine.run_until_done()
+    engine.eos_ids = {first.output_ids[0]}                    # the greedy first token now ends a sequence
+    stops = engine.add_request("stops", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+    runs = engine.add_request("runs", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.run_until_done()
+    assert stops.output_ids == first.output_ids and stops.finish_reason == "stop"
+    assert len(runs.output_ids) == 6 and runs.output_ids[0] == first.output_ids[0] and runs.finish_reason == "length"
+    with pytest.raises(RequestError, match="ignore_eos must be a boolean"):
+        SamplingParams.from_dict({"ignore_eos": "yes"})
