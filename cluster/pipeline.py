@@ -15,15 +15,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kernels.native import blas_has_own_threads
 from stages.engine import split_layers
 
 from .actors import ExpertActor, StageActor
 
 TRANSPORTS = ("object_store", "gloo")
-# float32 products run on OpenBLAS threads (kernels/linear.py): torch's OpenMP workers must sleep
-# between ops rather than spin on the same cores. Only an environment variable set before the
-# process loads torch can say so, hence the actors' runtime_env.
-FLOAT32_OMP_WAIT_POLICY = "PASSIVE"
 
 
 @dataclass
@@ -65,8 +62,9 @@ class Pipeline:
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
         env = {"OPENBLAS_NUM_THREADS": str(self.spec.threads)}
-        if self.spec.dtype == "float32":
-            env["OMP_WAIT_POLICY"] = FLOAT32_OMP_WAIT_POLICY
+        if self.spec.dtype == "float32" and blas_has_own_threads():
+            # only an environment variable set before the process loads torch can say so
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
         if self.spec.use_gpu:
             opts["num_gpus"] = 1

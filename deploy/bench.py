@@ -179,12 +179,13 @@ def run_engine_process(name: str, quick: bool) -> dict | str | None:
     llama-cpp-python is missing."""
     import subprocess
 
-    from cluster.pipeline import FLOAT32_OMP_WAIT_POLICY
+    from kernels.native import blas_has_own_threads
 
     cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
-    # float32 raymoe runs as its stage actors do (cluster/pipeline.py); everything else with
-    # OpenMP workers spinning, which suits a process that has the cores to itself
-    env = {**os.environ, "OMP_WAIT_POLICY": FLOAT32_OMP_WAIT_POLICY if name in FLOAT32_ENGINES else "ACTIVE"}
+    # OpenMP workers spin, which suits a process that has the cores to itself, except where float32
+    # products run on BLAS's own threads (kernels/native.py)
+    passive = name in FLOAT32_ENGINES and blas_has_own_threads()
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE" if passive else "ACTIVE"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
     if proc.returncode != 0 or not lines:

@@ -1,13 +1,14 @@
 """Weights kept as int8 with one scale per output row (`--dtype int8`).
 
-Every weight matrix is quantised at load to int8 with a bfloat16 scale per row, about a
-quarter of float32's bytes; a quantised file's blocks (Q8_0, Q4_K, MXFP4, ...) are
-dequantised exactly first, then requantised per row. Products go through PyTorch's
-`_weight_int8pack_mm`, which takes bfloat16 activations: a product's input is rounded to
-bfloat16 and its output comes back in the activations' dtype, so everything else runs in
-float32. Measured here (2 threads): a one-row product with a 32000x1024 weight takes 0.9 ms
-against 2.2 ms for float32 through OpenBLAS. The kernel needs the inner dimension to be a
-multiple of 16 (others give wrong results); other weights are not quantised.
+Every weight matrix is quantised at load to int8 with a scale per row (a bfloat16 value, held
+as float32), about a quarter of float32's bytes; a quantised file's blocks (Q8_0, Q4_K,
+MXFP4, ...) are dequantised exactly first, then requantised per row. Everything else runs in
+float32. Products of up to NATIVE_MAX_ROWS rows (decode) go to kernels/csrc/few_rows.c, which
+quantises the activations to int8 in blocks of 32 as llama.cpp does for Q8_0 and sums in int32
+(AVX-512 VNNI). Longer ones (prefill), and all of them where that library can't be built, go
+through PyTorch's `_weight_int8pack_mm`, which rounds its input to bfloat16. That kernel needs
+the inner dimension to be a multiple of 16 (others give wrong results); other weights are not
+quantised.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .native import few_rows
+
 K_MULTIPLE = 16
+NATIVE_MAX_ROWS = 16
 
 
 @dataclass
 class Int8Weight:
-    """q int8 [..., N, K] and scale bfloat16 [..., N]: the weight is q * scale[..., None]."""
+    """q int8 [..., N, K] and scale float32 [..., N] (bfloat16 values): the weight is q * scale[..., None]."""
     q: torch.Tensor
     scale: torch.Tensor
 
@@ -45,16 +49,25 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
         return None
     w = w.float()
     # the scale is rounded to bfloat16 first, so q is computed against the scale actually used
-    scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scale.contiguous())
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype, or into `out`."""
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale)
-    y = y.to(x.dtype) if out is None else out.copy_(y)
+    """x [T, K] times w -> [T, N] in x's dtype, or into `out`."""
+    lib = few_rows()
+    if lib is not None and x.dtype == torch.float32 and 0 < x.shape[0] <= NATIVE_MAX_ROWS and w.q.is_contiguous():
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = x.new_empty(x.shape[0], w.q.shape[0]) if out is None or out.stride(-1) != 1 else out
+        if lib.raymoe_i8_rows(x.data_ptr(), x.shape[0], x.stride(0), w.q.data_ptr(), w.scale.data_ptr(),
+                              w.q.shape[0], w.q.shape[1], y.data_ptr(), y.stride(0)):
+            raise MemoryError("int8 product: out of memory")
+        y = y if out is None or y is out else out.copy_(y)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale.to(torch.bfloat16))
+        y = y.to(x.dtype) if out is None else out.copy_(y)
     return y if bias is None else y.add_(bias)
 
 

@@ -143,7 +143,7 @@ def test_int8_rows_quantise_and_multiply_within_their_error():
     w = torch.randn(3, 40, 64, generator=g) * torch.rand(3, 40, 1, generator=g)     # rows of different ranges
     q = quantize_rows(w)
     assert isinstance(q, Int8Weight) and q.q.dtype == torch.int8 and q.scale.shape == (3, 40)
-    assert q.nbytes == w.numel() + 2 * 3 * 40                                         # a quarter of float32, plus scales
+    assert q.nbytes == w.numel() + 4 * 3 * 40                                         # a quarter of float32, plus scales
     back = q.q.float() * q.scale.float()[..., None]
     assert ((back - w).abs() <= 0.5 * q.scale.float()[..., None] * 1.01).all()        # half a step per element
     x = torch.randn(5, 64, generator=g)
@@ -151,7 +151,8 @@ def test_int8_rows_quantise_and_multiply_within_their_error():
         exact = x @ w[e].T
         ours = linear(x, q[e]).float()
         assert ours.dtype == torch.float32 and (ours - exact).abs().max() < 0.02 * exact.abs().max()
-        assert torch.allclose(ours, (x.bfloat16().float() @ back[e].T), rtol=1e-2, atol=1e-2)
+        # what's left is the activations' rounding (bfloat16, or int8 in the compiled kernel)
+        assert (ours - x @ back[e].T).abs().max() < 0.01 * exact.abs().max()
     # concatenation (fused projections, gate and up of experts) keeps each row's own scale
     cat = cat_weights([q, quantize_rows(torch.randn(3, 8, 64, generator=g))], dim=1)
     assert cat.shape == (3, 48, 64) and torch.equal(cat.q[:, :40], q.q) and torch.equal(cat.scale[:, :40], q.scale)

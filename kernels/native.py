@@ -1,0 +1,118 @@
+"""Compiled CPU kernels (kernels/csrc/few_rows.c): products of a few rows (float32 or int8
+weights), and float32 matrix products on numpy's OpenBLAS driven from OpenMP threads.
+
+Built with the machine's C compiler (`cc`, or $CC) for its own CPU on first use and cached per
+source, compiler and CPU under $RAYMOE_CACHE/native (default ~/.cache/raymoe/native), so each
+Ray node builds its own. The library runs its threads on the OpenMP runtime torch has loaded,
+so it shares torch's thread count and workers; numpy's OpenBLAS is set to one thread and called
+inside them (`sgemm`), so one pool of threads does all the work. When there is no compiler, no
+AVX-512 VNNI, or RAYMOE_NATIVE=0, `few_rows()` is None and products stay with OpenBLAS's own
+threads and PyTorch.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch  # noqa: F401  (loads torch's OpenMP runtime before the library links to it)
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "few_rows.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RAYMOE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raymoe"))
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"few_rows-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed into place, so processes building at once never see half a file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@lru_cache(maxsize=None)
+def few_rows() -> ctypes.CDLL | None:
+    """The loaded library, or None where it can't be used here (the reason is logged once)."""
+    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: few-row products use OpenBLAS and PyTorch (slower decode)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native kernels unavailable (%s): few-row products use OpenBLAS and PyTorch", e)
+        return None
+    if not lib.raymoe_few_rows_available():
+        log.info("this CPU has no AVX-512 VNNI: few-row products use OpenBLAS and PyTorch")
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.raymoe_f32_rows.argtypes = [p, i, i, p, i, i, p, i]
+    lib.raymoe_f32_rows.restype = None
+    lib.raymoe_i8_rows.argtypes = [p, i, i, p, p, i, i, p, i]
+    lib.raymoe_i8_rows.restype = ctypes.c_int
+    lib.raymoe_f32_gemm.argtypes = [p, p, i, i, p, i, i, p, i]
+    lib.raymoe_f32_gemm.restype = None
+    lib.sgemm = _numpy_sgemm()
+    return lib
+
+
+def _numpy_sgemm() -> int | None:
+    """The address of numpy's OpenBLAS cblas_sgemm (64-bit integers), its threads set to one; None
+    when numpy uses another BLAS."""
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
+    try:
+        blas = ctypes.CDLL(libs[0])
+        sgemm, set_threads = blas.scipy_cblas_sgemm64_, blas.scipy_openblas_set_num_threads64_
+    except (IndexError, OSError, AttributeError):
+        log.info("numpy's BLAS is not scipy-openblas64: float32 matrix products keep BLAS's own threads")
+        return None
+    set_threads.argtypes = [ctypes.c_int]
+    set_threads(1)
+    return ctypes.cast(sgemm, ctypes.c_void_p).value
+
+
+def blas_has_own_threads() -> bool:
+    """Whether float32 products run on BLAS's own threads (no library, or numpy not on
+    scipy-openblas): then torch's OpenMP workers must sleep between ops (OMP_WAIT_POLICY=PASSIVE,
+    set before torch loads) rather than spin on the cores BLAS needs (measured: float32 decode ~3x
+    slower with spinning workers)."""
+    lib = few_rows()
+    return lib is None or lib.sgemm is None
