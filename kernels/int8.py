@@ -3,10 +3,10 @@
 Every weight matrix is quantised at load to int8 with a scale per row (a bfloat16 value, held
 as float32), about a quarter of float32's bytes; a quantised file's blocks (Q8_0, Q4_K,
 MXFP4, ...) are dequantised exactly first, then requantised per row. Everything else runs in
-float32. Products of up to NATIVE_MAX_ROWS rows (decode) go to kernels/csrc/few_rows.c, which
-quantises the activations to int8 in blocks of 32 as llama.cpp does for Q8_0 and sums in int32
-(AVX-512 VNNI). Longer ones (prefill), and all of them where that library can't be built, go
-through PyTorch's `_weight_int8pack_mm`, which rounds its input to bfloat16. That kernel needs
+float32. Products of a few rows (decode) go to kernels/csrc/few_rows.c (see kernels/linear.py),
+which quantises the activations to int8 in blocks of 32 as llama.cpp does for Q8_0 and sums in
+int32 (AVX-512 VNNI). Longer ones (prefill), and all of them where that library can't be built,
+go through PyTorch's `_weight_int8pack_mm` here, which rounds its input to bfloat16. That kernel needs
 the inner dimension to be a multiple of 16 (others give wrong results); other weights are not
 quantised.
 """
@@ -16,10 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native import few_rows
-
 K_MULTIPLE = 16
-NATIVE_MAX_ROWS = 16
 
 
 @dataclass
@@ -56,18 +53,9 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] times w -> [T, N] in x's dtype, or into `out`."""
-    lib = few_rows()
-    if lib is not None and x.dtype == torch.float32 and 0 < x.shape[0] <= NATIVE_MAX_ROWS and w.q.is_contiguous():
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        y = x.new_empty(x.shape[0], w.q.shape[0]) if out is None or out.stride(-1) != 1 else out
-        if lib.raymoe_i8_rows(x.data_ptr(), x.shape[0], x.stride(0), w.q.data_ptr(), w.scale.data_ptr(),
-                              w.q.shape[0], w.q.shape[1], y.data_ptr(), y.stride(0)):
-            raise MemoryError("int8 product: out of memory")
-        y = y if out is None or y is out else out.copy_(y)
-    else:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale.to(torch.bfloat16))
-        y = y.to(x.dtype) if out is None else out.copy_(y)
+    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype, or into `out`."""
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale.to(torch.bfloat16))
+    y = y.to(x.dtype) if out is None else out.copy_(y)
     return y if bias is None else y.add_(bias)
 
 

@@ -12,20 +12,26 @@ summation order differs. bfloat16 stays with torch, int8 weights go to kernels/i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .int8 import NATIVE_MAX_ROWS, Int8Weight, int8_linear
+from .int8 import Int8Weight, int8_linear
 from .native import blas_has_own_threads, few_rows
 
 GEMV_MAX_ROWS = 4
+NATIVE_MAX_ROWS = 16       # measured: past ~16 rows BLAS (float32) and _weight_int8pack_mm (int8) win
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K], w [N, K] -> [T, N], written into `out` when given."""
+    if x.dim() == 2 and 0 < x.shape[0] <= NATIVE_MAX_ROWS:
+        y = out if out is not None else x.new_empty(x.shape[0], w.shape[0])
+        if _few_rows_grouped(x, w, [(0, 0, x.shape[0])], y, single=True):
+            return y if bias is None else y.add_(bias)
     if isinstance(w, Int8Weight):
         return int8_linear(x, w, bias, out)
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
@@ -34,12 +40,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     out = torch.empty(x.shape[0], w.shape[0]) if out is None else out
     lib = few_rows()
     if not blas_has_own_threads() and x.stride(-1) == 1 and w.is_contiguous() and out.stride(-1) == 1:
-        args = (x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr(),
-                out.stride(0))
-        if x.shape[0] <= NATIVE_MAX_ROWS:
-            lib.raymoe_f32_rows(*args)
-        else:
-            lib.raymoe_f32_gemm(lib.sgemm, *args)
+        lib.raymoe_f32_gemm(lib.sgemm, x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), w.shape[0],
+                            w.shape[1], out.data_ptr(), out.stride(0))
         return out if bias is None else out.add_(bias)
     wn, xn, on = w.numpy(), x.numpy(), out.numpy()
     if x.shape[0] <= GEMV_MAX_ROWS:
@@ -54,12 +56,44 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, groups: list[tuple[int, int, int]],
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows a:b of x through weights[g] (and bias[g]) for each (g, a, b) in groups: one product
-    per group into one output, e.g. the tokens of each expert. x [T, K], weights [G, N, K]."""
+    """Rows a:b of x through weights[g] (and bias[g]) for each (g, a, b) in groups, into one
+    output: e.g. the tokens of each expert. x [T, K], weights [G, N, K]. Groups of a few rows go
+    to the compiled kernel in one call, longer ones one product each."""
     out = x.new_empty(x.shape[0], weights.shape[1])
-    for g, a, b in groups:
-        linear(x[a:b], weights[g], None if bias is None else bias[g], out=out[a:b])
+    few = [g for g in groups if g[2] - g[1] <= NATIVE_MAX_ROWS]
+    rest = groups if not few or not _few_rows_grouped(x, weights, few, out) else \
+        [g for g in groups if g[2] - g[1] > NATIVE_MAX_ROWS]
+    for g, a, b in rest:
+        linear(x[a:b], weights[g], out=out[a:b])
+    if bias is not None:
+        counts = torch.tensor([b - a for _, a, b in groups])
+        out += bias[torch.tensor([g for g, _, _ in groups]).repeat_interleave(counts)]
     return out
+
+
+def _few_rows_grouped(x: torch.Tensor, weights, groups: list[tuple[int, int, int]], out: torch.Tensor,
+                      single: bool = False) -> bool:
+    """Run groups through kernels/csrc/few_rows.c into `out` (weights [G, N, K], or one [N, K]
+    weight when single); False where that library or these tensors' layout can't."""
+    lib = few_rows()
+    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or out.stride(-1) != 1:
+        return False
+    n, k = weights.shape[-2:]
+    table = (ctypes.c_int64 * (3 * len(groups)))(*(v for group in groups for v in group))
+    if isinstance(weights, Int8Weight):
+        if not weights.q.is_contiguous():
+            return False
+        stride = 0 if single else n * k
+        if lib.raymoe_i8_grouped(x.data_ptr(), x.shape[0], x.stride(0), weights.q.data_ptr(),
+                                 weights.scale.data_ptr(), stride, table, len(groups), n, k, out.data_ptr(),
+                                 out.stride(0)):
+            raise MemoryError("int8 product: out of memory")
+        return True
+    if weights.dtype != torch.float32 or not weights.is_contiguous() or blas_has_own_threads():
+        return False
+    lib.raymoe_f32_grouped(x.data_ptr(), x.stride(0), weights.data_ptr(), 0 if single else n * k, table,
+                           len(groups), n, k, out.data_ptr(), out.stride(0))
+    return True
 
 
 @contextlib.contextmanager

@@ -84,10 +84,10 @@ def few_rows() -> ctypes.CDLL | None:
         log.info("this CPU has no AVX-512 VNNI: few-row products use OpenBLAS and PyTorch")
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.raymoe_f32_rows.argtypes = [p, i, i, p, i, i, p, i]
-    lib.raymoe_f32_rows.restype = None
-    lib.raymoe_i8_rows.argtypes = [p, i, i, p, p, i, i, p, i]
-    lib.raymoe_i8_rows.restype = ctypes.c_int
+    lib.raymoe_f32_grouped.argtypes = [p, i, p, i, p, i, i, i, p, i]
+    lib.raymoe_f32_grouped.restype = None
+    lib.raymoe_i8_grouped.argtypes = [p, i, i, p, p, i, p, i, i, i, p, i]
+    lib.raymoe_i8_grouped.restype = ctypes.c_int
     lib.raymoe_f32_gemm.argtypes = [p, p, i, i, p, i, i, p, i]
     lib.raymoe_f32_gemm.restype = None
     lib.sgemm = _numpy_sgemm()

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.int8 import quantize_rows
-from kernels.linear import linear
+from kernels.int8 import Int8Weight, quantize_rows
+from kernels.linear import _few_rows_grouped, grouped_linear, linear
 from kernels.native import few_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,13 +19,13 @@ needs_lib = pytest.mark.skipif(lib is None, reason="no C compiler or no AVX-512 
 SHAPES = [(1, 1024, 4096), (2, 100, 37), (3, 64, 8), (4, 33, 5), (7, 1000, 130), (16, 512, 1024), (13, 2880, 9)]
 
 
-def f32_rows(x, w, threads=None):
+def rows(x, w, threads=None):
+    """x through one weight (float32 or Int8Weight) in the compiled kernel."""
     y = torch.empty(x.shape[0], w.shape[0])
     old = torch.get_num_threads()
     torch.set_num_threads(threads or old)
     try:
-        lib.raymoe_f32_rows(x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), w.shape[0], w.shape[1],
-                            y.data_ptr(), y.stride(0))
+        assert _few_rows_grouped(x, w, [(0, 0, x.shape[0])], y, single=True)
     finally:
         torch.set_num_threads(old)
     return y
@@ -50,7 +50,7 @@ def test_float32_rows_match_float64(m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     ref = x.double() @ w.double().T
-    y = f32_rows(x, w)
+    y = rows(x, w)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
@@ -58,9 +58,9 @@ def test_float32_rows_match_float64(m, k, n):
 def test_float32_rows_do_not_depend_on_threads_or_neighbours():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(9, 700, generator=g), torch.randn(301, 700, generator=g)
-    y = f32_rows(x, w, threads=2)
-    assert torch.equal(y, f32_rows(x, w, threads=1))
-    assert torch.equal(y[5:6], f32_rows(x[5:6], w))                   # a row alone gives the same bits
+    y = rows(x, w, threads=2)
+    assert torch.equal(y, rows(x, w, threads=1))
+    assert torch.equal(y[5:6], rows(x[5:6], w))                   # a row alone gives the same bits
 
 
 @needs_lib
@@ -72,13 +72,37 @@ def test_int8_rows_match_integer_reference(m, k, n):
     x[-1, :32] = 0
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) / 50
-    y = torch.empty(m, n)
-    assert lib.raymoe_i8_rows(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n, k, y.data_ptr(), n) == 0
+    y = rows(x, Int8Weight(q, scale))
     ref = int8_reference(x, q, scale)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     # and the activation rounding it adds stays small next to the float product
     exact = x.double() @ (q.double() * scale.double()[:, None]).T
     assert (y.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_lib
+@pytest.mark.parametrize("int8", [False, True])
+def test_groups_of_rows_through_their_own_weights(int8):
+    """The tokens of each expert in one call: groups of 1-16 rows (in the kernel) and of 40 (not),
+    each equal to its group's own product."""
+    g = torch.Generator().manual_seed(4)
+    experts, sizes = torch.randn(6, 72, 160, generator=g), [3, 1, 16, 40, 2]
+    x = torch.randn(sum(sizes), 160, generator=g)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    groups = [(e, a, a + size) for e, a, size in zip([5, 0, 2, 3, 1], starts, sizes)]
+    bias = torch.randn(6, 72, generator=g)
+    weights = quantize_rows(experts) if int8 else experts
+    y = grouped_linear(x, weights, groups, bias)
+    for e, a, b in groups:
+        if int8:
+            ref = (int8_reference(x[a:b], weights.q[e], weights.scale[e]) if b - a <= 16 else
+                   x[a:b].bfloat16().double() @ (weights.q[e].double() * weights.scale[e].double()[:, None]).T)
+            ref = ref + bias[e].double()
+        else:
+            ref = x[a:b].double() @ experts[e].double().T + bias[e].double()
+        # _weight_int8pack_mm (40 rows) returns bfloat16
+        tol = 1e-2 if int8 and b - a > 16 else 1e-5
+        assert (y[a:b].double() - ref).abs().max() <= tol * ref.abs().max(), (e, a, b)
 
 
 @needs_lib

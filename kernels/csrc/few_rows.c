@@ -71,17 +71,22 @@ static inline __attribute__((always_inline)) void block_f32(const float *x, int6
     default: CALL(4, 4); break;                                                                    \
     }
 
-/* x [m, k] (row stride ldx) times w [n, k] (contiguous) -> y [m, n] (row stride ldy). */
-void raymoe_f32_rows(const float *x, int64_t m, int64_t ldx, const float *w, int64_t n, int64_t k, float *y,
-                     int64_t ldy) {
+/* Groups of rows through their own weights, e.g. the tokens of each expert: for each group
+ * (g, a, b) in groups[0 .. 3 count), rows a..b of x [., k] (row stride ldx) times weight g,
+ * w + g * w_stride ([n, k], contiguous), -> rows a..b of y (row stride ldy). One parallel loop
+ * over every (group, block of weight rows), so the threads stream all the groups' weights
+ * without a join between groups. */
+void raymoe_f32_grouped(const float *x, int64_t ldx, const float *w, int64_t w_stride, const int64_t *groups,
+                        int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
     const int64_t blocks = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * NR;
+    for (int64_t item = 0; item < count * blocks; item++) {
+        const int64_t *group = groups + 3 * (item / blocks);
+        const int64_t n0 = item % blocks * NR;
         const int nr = n - n0 < NR ? (int)(n - n0) : NR;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            const float *xb = x + m0 * ldx, *wb = w + n0 * k;
+        for (int64_t m0 = group[1]; m0 < group[2]; m0 += MR) {
+            const int mr = group[2] - m0 < MR ? (int)(group[2] - m0) : MR;
+            const float *xb = x + m0 * ldx, *wb = w + group[0] * w_stride + n0 * k;
             float *yb = y + m0 * ldy + n0;
 #define CALL_F32(MR_, NR_) block_f32(xb, ldx, MR_, wb, k, NR_, yb, ldy)
             DISPATCH(CALL_F32)
@@ -131,23 +136,27 @@ typedef struct {
 
 static void quantize_x(const float *x, int64_t m, int64_t ldx, int64_t k, quantized_rows *out) {
     const int64_t chunks = out->chunks;
+#pragma omp parallel for schedule(static) if (m >= 8)
     for (int64_t i = 0; i < m; i++) {
         uint8_t *q = out->q + i * chunks * 64;
-        uint64_t *neg = out->neg + i * chunks;
+        uint32_t *neg = (uint32_t *)(out->neg + i * chunks);   /* two 32-bit halves per chunk */
         float *d = out->d + i * chunks * 16;
-        for (int64_t c = 0; c < chunks; c++) neg[c] = 0;
         for (int64_t b = 0; b < chunks * 2; b++) {
             const int64_t k0 = b * 32, n = k - k0 < 32 ? (k - k0 > 0 ? k - k0 : 0) : 32;
-            const float *xb = x + i * ldx + k0;
-            float amax = 0.0f;
-            for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const __mmask16 lo_mask = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+            const __mmask16 hi_mask = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps(lo_mask, x + i * ldx + k0);
+            const __m512 hi = _mm512_maskz_loadu_ps(hi_mask, x + i * ldx + k0 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            for (int64_t j = 0; j < 32; j++) {
-                const float v = j < n ? nearbyintf(xb[j] * inv) : 0.0f;
-                q[k0 + j] = (uint8_t)fabsf(v);
-                if (v < 0.0f) neg[b / 2] |= (uint64_t)1 << ((b % 2) * 32 + j);
-            }
-            for (int j = 0; j < 8; j++) d[(b / 2) * 16 + (b % 2) * 8 + j] = scale;
+            /* rounded to nearest, ties to even (the default rounding mode) */
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(q + k0), _mm512_cvtepi32_epi8(_mm512_abs_epi32(qlo)));
+            _mm_storeu_si128((__m128i *)(q + k0 + 16), _mm512_cvtepi32_epi8(_mm512_abs_epi32(qhi)));
+            neg[b] = (uint32_t)_mm512_cmplt_epi32_mask(qlo, _mm512_setzero_si512()) |
+                     (uint32_t)_mm512_cmplt_epi32_mask(qhi, _mm512_setzero_si512()) << 16;
+            _mm256_storeu_ps(d + (b / 2) * 16 + (b % 2) * 8, _mm256_set1_ps(scale));
         }
     }
 }
@@ -182,10 +191,11 @@ static inline __attribute__((always_inline)) void block_i8(const quantized_rows 
         for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) * scale[j];
 }
 
-/* x [m, k] (row stride ldx) times w [n, k] int8 with scale [n] -> y [m, n] (row stride ldy).
+/* raymoe_f32_grouped with int8 weights: weight g is w + g * w_stride with scales scale + g * n.
  * Returns 0, or -1 when out of memory. */
-int raymoe_i8_rows(const float *x, int64_t m, int64_t ldx, const int8_t *w, const float *scale, int64_t n,
-                   int64_t k, float *y, int64_t ldy) {
+int raymoe_i8_grouped(const float *x, int64_t m, int64_t ldx, const int8_t *w, const float *scale,
+                      int64_t w_stride, const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y,
+                      int64_t ldy) {
     quantized_rows xq;
     xq.chunks = (k + 63) / 64;
     void *buffer = aligned_alloc(64, (size_t)(m * xq.chunks * (64 + 8 + 64)));
@@ -196,16 +206,17 @@ int raymoe_i8_rows(const float *x, int64_t m, int64_t ldx, const int8_t *w, cons
     quantize_x(x, m, ldx, k, &xq);
     const int64_t blocks = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * NR;
+    for (int64_t item = 0; item < count * blocks; item++) {
+        const int64_t *group = groups + 3 * (item / blocks);
+        const int64_t n0 = item % blocks * NR;
         const int nr = n - n0 < NR ? (int)(n - n0) : NR;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+        for (int64_t m0 = group[1]; m0 < group[2]; m0 += MR) {
+            const int mr = group[2] - m0 < MR ? (int)(group[2] - m0) : MR;
             quantized_rows rows = {xq.q + m0 * xq.chunks * 64, xq.neg + m0 * xq.chunks,
                                    xq.d + m0 * xq.chunks * 16, xq.chunks};
-            const int8_t *wb = w + n0 * k;
+            const int8_t *wb = w + group[0] * w_stride + n0 * k;
             float *yb = y + m0 * ldy + n0;
-#define CALL_I8(MR_, NR_) block_i8(&rows, MR_, wb, scale + n0, k, NR_, yb, ldy)
+#define CALL_I8(MR_, NR_) block_i8(&rows, MR_, wb, scale + group[0] * n + n0, k, NR_, yb, ldy)
             DISPATCH(CALL_I8)
         }
     }
