@@ -205,12 +205,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class DeltaNetMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
-        # Projections of the same input are stacked into one product each (fewer, larger products).
-        self.qkv_z = cat_weights([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight")])
+        # The four projections of the input are stacked into one product (fewer, larger products).
+        self.inputs = cat_weights([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight"), w(p + "ssm_beta.weight"),
+                                   w(p + "ssm_alpha.weight")])
         self.conv = w(p + "ssm_conv1d.weight")
         self.dt_bias = w(p + "ssm_dt.bias", torch.float32)
         self.a = w(p + "ssm_a", torch.float32)
-        self.beta_alpha = cat_weights([w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")])
         self.norm = w(p + "ssm_norm.weight")
         self.out = w(p + "ssm_out.weight")
 
@@ -230,9 +230,8 @@ class DeltaNetMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c = self.cfg
-        qkv, z = linear(x, self.qkv_z).split([c.conv_dim, c.value_dim], dim=-1)
-        beta, alpha = linear(x, self.beta_alpha).float().split(c.n_v_heads, dim=-1)
-        beta = torch.sigmoid(beta)
+        qkv, z, beta, alpha = linear(x, self.inputs).split([c.conv_dim, c.value_dim, c.n_v_heads, c.n_v_heads], dim=-1)
+        beta, alpha = torch.sigmoid(beta.float()), alpha.float()
         g = self.a * F.softplus(alpha + self.dt_bias)
         y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim)
         singles = []
