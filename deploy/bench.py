@@ -93,7 +93,7 @@ def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, precision:
             engine.add_request(i, random_ids(prompt_len, i), SamplingParams(max_tokens=n, temperature=0))
         engine.run_until_done()
 
-    generate(1, 16, 2)                                            # warm-up
+    generate(1, n_prompt, 2)                # warm-up at full size, as for every engine: steady state is timed
     prefill = timed(lambda: generate(1, n_prompt, 1))
     one = timed(lambda: generate(1, 8, 1))
     decode = timed(lambda: generate(1, 8, n_decode + 1)) - one
@@ -111,7 +111,7 @@ def bench_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None:
     llm = Llama(model_path=path, n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt, n_threads=THREADS,
                 n_threads_batch=THREADS, verbose=False)
     prompt = random_ids(n_prompt, 0)
-    llm.eval(prompt[:16])
+    llm.eval(prompt)
     llm.reset()
     prefill = timed(lambda: llm.eval(prompt))
     llm.reset()
@@ -138,6 +138,7 @@ def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
 
     generate(ids[:, :16], 2)
     with torch.inference_mode():
+        model(ids)
         prefill = timed(lambda: model(ids))
     one = timed(lambda: generate(ids[:, :8], 1))
     decode = timed(lambda: generate(ids[:, :8], n_decode + 1)) - one

@@ -1,7 +1,8 @@
 import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads, as cluster/pipeline.py explains
+# before torch loads: the suite runs Ray actors beside itself on few cores, so idle OpenMP workers sleep
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
