@@ -61,9 +61,11 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, groups: list[tuple[in
     to the compiled kernel in one call, longer ones one product each."""
     out = x.new_empty(x.shape[0], weights.shape[1])
     few = [g for g in groups if g[2] - g[1] <= NATIVE_MAX_ROWS]
-    rest = groups if not few or not _few_rows_grouped(x, weights, few, out) else \
-        [g for g in groups if g[2] - g[1] > NATIVE_MAX_ROWS]
-    for g, a, b in rest:
+    if few and _few_rows_grouped(x, weights, few, out):
+        groups_left = [g for g in groups if g[2] - g[1] > NATIVE_MAX_ROWS]
+    else:
+        groups_left = groups
+    for g, a, b in groups_left:
         linear(x[a:b], weights[g], out=out[a:b])
     if bias is not None:
         counts = torch.tensor([b - a for _, a, b in groups])
@@ -79,11 +81,11 @@ def _few_rows_grouped(x: torch.Tensor, weights, groups: list[tuple[int, int, int
     if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or out.stride(-1) != 1:
         return False
     n, k = weights.shape[-2:]
+    stride = 0 if single else n * k
     table = (ctypes.c_int64 * (3 * len(groups)))(*(v for group in groups for v in group))
     if isinstance(weights, Int8Weight):
         if not weights.q.is_contiguous():
             return False
-        stride = 0 if single else n * k
         if lib.raymoe_i8_grouped(x.data_ptr(), x.shape[0], x.stride(0), weights.q.data_ptr(),
                                  weights.scale.data_ptr(), stride, table, len(groups), n, k, out.data_ptr(),
                                  out.stride(0)):
@@ -91,7 +93,7 @@ def _few_rows_grouped(x: torch.Tensor, weights, groups: list[tuple[int, int, int
         return True
     if weights.dtype != torch.float32 or not weights.is_contiguous() or blas_has_own_threads():
         return False
-    lib.raymoe_f32_grouped(x.data_ptr(), x.stride(0), weights.data_ptr(), 0 if single else n * k, table,
+    lib.raymoe_f32_grouped(x.data_ptr(), x.stride(0), weights.data_ptr(), stride, table,
                            len(groups), n, k, out.data_ptr(), out.stride(0))
     return True
 
