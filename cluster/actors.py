@@ -14,7 +14,7 @@ import torch
 
 from stages.errors import RaymoeError
 from stages.loader import open_model
-from stages.stage import PRECISIONS, Stage
+from stages.stage import Stage, StageWeights
 
 
 def peak_rss_bytes() -> int:
@@ -35,23 +35,17 @@ class ExpertClient:
 
 @ray.remote
 class ExpertActor:
-    def __init__(self, model_path: str, layers: tuple[int, int], experts: tuple[int, int], dtype: str, threads: int):
+    def __init__(self, model_path: str, layers: tuple[int, int], experts: tuple[int, int], dtype: str, threads: int,
+                 max_model_len: int | None):
         self.init_error = None
         try:
-            self._load(model_path, layers, experts, dtype, threads)
+            self._load(open_model(model_path, max_model_len), layers, experts, dtype, threads)
         except RaymoeError as e:      # reported by ping(), as a clean one-line error
             self.init_error = e
 
-    def _load(self, model_path, layers, experts, dtype, threads):
+    def _load(self, model, layers, experts, dtype, threads):
         torch.set_num_threads(threads)
-        model = open_model(model_path)
-        shapes = model.expected_shapes(range(*layers), False, False)
-
-        activations, int8 = PRECISIONS[dtype]
-
-        def w(name, as_dtype=None):
-            return model.weight(name, shapes[name], as_dtype or activations, int8=int8 and as_dtype is None)
-
+        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), dtype)
         self.experts = {i: model.arch.load_experts(model.config, w, i, range(*experts)) for i in range(*layers)}
 
     @torch.inference_mode()
@@ -66,11 +60,12 @@ class ExpertActor:
 
 @ray.remote
 class StageActor:
-    def __init__(self, model_path: str, layers: tuple[int, int], dtype: str, threads: int, expert_actors=None):
+    def __init__(self, model_path: str, layers: tuple[int, int], dtype: str, threads: int, max_model_len: int | None,
+                 expert_actors=None):
         self.init_error = self.group = None
         try:
             torch.set_num_threads(threads)
-            model = open_model(model_path)
+            model = open_model(model_path, max_model_len)
             remote = ExpertClient(expert_actors) if expert_actors else None
             self.stage = Stage(model, range(*layers), dtype, remote_experts=remote)
             self.hidden_size = model.config.hidden
@@ -104,7 +99,7 @@ class StageActor:
         rank, world = self.group
         hidden = None
         if rank > 0:
-            buf = torch.empty(batch.n_tokens, self.hidden_size, dtype=self.stage.dtype)
+            buf = torch.empty(batch.n_tokens, self.hidden_size)
             dist.recv(buf.view(torch.uint8), src=rank - 1)
             hidden = buf
         out = self.stage.forward(batch, hidden)

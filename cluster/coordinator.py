@@ -3,6 +3,11 @@
 Up to PP micro-batches (one per micro-batch group, see stages.engine.EngineCore) are in
 flight at once, so every stage has work. When a stage actor dies, the pipeline replaces it
 and every live sequence recomputes its caches from its tokens; the outputs are unchanged.
+
+The scheduler loop never ends on an error: an exception it did not expect is logged with its
+traceback and fails only the sequences it concerns (those of the micro-batch at hand), with an
+error result; everything else goes on. check_health() reports a loop that makes no progress:
+work waiting and no step completed for stall_timeout seconds.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from .pipeline import Pipeline, PipelineSpec
 
 log = logging.getLogger("raymoe.coordinator")
 MAX_RESTARTS = 5
+STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before check_health() fails
 
 
 class QueueFullError(RaymoeError):
@@ -33,8 +39,8 @@ class QueueFullError(RaymoeError):
 class Coordinator:
     def __init__(self, spec: PipelineSpec, n_groups: int = 4, max_batch_tokens: int = 512,
                  prefill_chunk: int = 256, max_running: int = 64, fault_injection: dict | None = None,
-                 max_queued: int | None = None):
-        model = open_model(spec.model_path)
+                 max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT):
+        model = open_model(spec.model_path, spec.max_model_len)
         self.core = EngineCore(model.config, model.tokenizer, n_groups, max_batch_tokens, prefill_chunk, max_running)
         self.spec = spec
         self.pipeline = None
@@ -52,6 +58,9 @@ class Coordinator:
         self.streaming: set[int] = set()                # sequences with a stream() reader
         self.loop_task = None
         self.error: str | None = None
+        self.stall_timeout = stall_timeout
+        self.progress_at = time.monotonic()             # when the last step completed (or work arrived)
+        self.current: tuple[int, list | None] | None = None   # (group, plan) the loop is handling
 
     def start(self):
         """Start the stage actors and wait until every one has loaded its weights."""
@@ -59,7 +68,7 @@ class Coordinator:
 
     # ---- requests -------------------------------------------------------------------------
     def _ensure_loop(self):
-        if self.loop_task is None:
+        if self.loop_task is None or self.loop_task.done():
             self.loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def submit(self, request_id, request: dict, defaults: dict | None = None, collect: bool = True) -> int:
@@ -69,7 +78,9 @@ class Coordinator:
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         if self.error:
             raise RaymoeError(self.error)
-        params = sampling_params(request, SamplingParams.from_dict(defaults or {}))
+        params = sampling_params(request, SamplingParams.from_dict(defaults or {}), self.core.config.context_length)
+        if not self.in_flight and not self.core.has_work():
+            self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
         seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
         if self.max_queued is not None and self._must_wait(seq) and self.queued() > self.max_queued:
             self.core.finish(seq, "abort")
@@ -152,6 +163,16 @@ class Coordinator:
                 "slots": sum(g.max_running for g in self.core.groups), "max_queued": self.max_queued,
                 "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}
 
+    def check_health(self):
+        """Raise RaymoeError naming why the engine cannot serve: it gave up, or work has waited
+        stall_timeout seconds without a step completing (a hung stage, a stuck loop)."""
+        if self.error:
+            raise RaymoeError(self.error)
+        stalled = time.monotonic() - self.progress_at
+        if (self.in_flight or self.core.has_work()) and stalled > self.stall_timeout:
+            raise RaymoeError(f"no step completed for {stalled:.0f} s while requests wait "
+                              f"(stall timeout {self.stall_timeout:g} s)")
+
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
                 "first_token_s": list(self.stats["first_token_s"])}
@@ -169,10 +190,12 @@ class Coordinator:
             self.next_group = (g + 1) % groups
             if g in self.in_flight:
                 continue
+            self.current = (g, None)
             planned = self.core.next_batch(g)
             if planned is None:
                 continue
             batch, plan = planned
+            self.current = (g, plan)
             self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
             self._maybe_inject_fault()
 
@@ -184,29 +207,59 @@ class Coordinator:
 
     async def _run(self):
         while True:
-            self._launch()
-            if not self.in_flight:
-                self.wake.clear()
-                await self.wake.wait()
+            self.current = None
+            try:
+                await self._turn()
+            except Exception as e:
+                log.exception("the scheduler failed; failing the sequences concerned and going on")
+                self._fail_current(e)
+
+    async def _turn(self):
+        """Launch what can run, then wait for a micro-batch and consume it."""
+        self._launch()
+        self.current = None
+        if not self.in_flight:
+            self.wake.clear()
+            await self.wake.wait()
+            return
+        waits = {asyncio.ensure_future(self._gather(g, refs)): g for g, (refs, _, _) in self.in_flight.items()}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for p in pending:
+            p.cancel()
+        failed = False
+        for task in done:
+            g = waits[task]
+            try:
+                logits = task.result()
+            except ray.exceptions.RayError as e:
+                failed = True
+                log.warning("micro-batch failed (%s); restarting the pipeline", type(e).__name__)
                 continue
-            waits = {asyncio.ensure_future(self._gather(g, refs)): g for g, (refs, _, _) in self.in_flight.items()}
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for p in pending:
-                p.cancel()
-            failed = False
-            for task in done:
-                g = waits[task]
-                try:
-                    logits = task.result()
-                except ray.exceptions.RayError as e:
-                    failed = True
-                    log.warning("micro-batch failed (%s); restarting the pipeline", type(e).__name__)
-                    continue
-                _, plan, _ = self.in_flight.pop(g)
-                self.steps += 1
-                self._consume(logits, plan)
-            if failed:
-                await self._recover()
+            _, plan, _ = self.in_flight.pop(g)
+            self.current = (g, plan)
+            self.steps += 1
+            self.progress_at = time.monotonic()
+            self._consume(logits, plan)
+            self.current = None
+        if failed:
+            await self._recover()
+
+    def _fail_current(self, e: Exception):
+        """Fail the sequences of the micro-batch the loop was handling when `e` was raised: its plan,
+        else every sequence of its group, else (no group at hand) every live sequence."""
+        group, plan = self.current or (None, None)
+        self.current = None
+        if group is None:
+            self.in_flight.clear()
+            victims = list(self.core.sequences.values())
+        else:
+            self.in_flight.pop(group, None)
+            victims = [c.seq for c in plan] if plan else [
+                s for s in self.core.sequences.values() if self.core.group_of(s) is self.core.groups[group]]
+        for seq in victims:
+            if seq.seq_id in self.core.sequences:
+                seq.error = f"internal error: {type(e).__name__}: {e}"
+                self._finish(seq, "error")
 
     async def _gather(self, g, refs):
         results = await asyncio.gather(*refs)
@@ -268,3 +321,4 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pipeline.restart)
         self.core.forget_caches()
+        self.progress_at = time.monotonic()

@@ -12,21 +12,55 @@ import os
 import ray
 
 from stages.errors import RaymoeError
-from stages.loader import open_model, resolve_model_path
+from stages.engine import split_layers
+from stages.loader import DEFAULT_MAX_MODEL_LEN, open_model, resolve_model_path
+from stages.memory import fit_running, stage_need
 
-from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
+from .coordinator import STALL_TIMEOUT, Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
 from .pipeline import PipelineSpec
 
 
+_connected_here = False
+
+
 def connect_ray(slots_needed: int):
-    """Join the cluster at RAY_ADDRESS when set, else start a local one with enough CPU slots."""
+    """Join the cluster at RAY_ADDRESS when set, else start a local one with enough CPU slots.
+    Ray enables token authentication for a new local cluster unless RAY_AUTH_MODE says otherwise
+    (the token: ~/.ray/auth_token, generated when missing); its servers listen on every interface,
+    guarded by that token (ray.init turns a loopback node address into the machine's)."""
+    global _connected_here
     if ray.is_initialized():
         return
+    _connected_here = True
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
+                 object_store_memory=OBJECT_STORE_BYTES,
                  log_to_driver=False, logging_level="ERROR")
+
+
+def disconnect_ray():
+    """Undo connect_ray: a local cluster it started stops with all its processes. Ray that this
+    process was already connected to is left alone."""
+    global _connected_here
+    if _connected_here and ray.is_initialized():
+        ray.shutdown()
+    _connected_here = False
+
+
+DEFAULT_MAX_RUNNING = 64
+OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations and logits, not weights
+
+
+def plan_memory(files, spec: PipelineSpec, max_running: int | None) -> int:
+    """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
+    bundles' `memory` and returns how many sequences may run (see stages/memory.py)."""
+    needs = [stage_need(files, r, spec.dtype) for r in split_layers(spec.n_layers, spec.pp, spec.split)]
+    nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
+    running = fit_running(needs, nodes or [0], max_running or DEFAULT_MAX_RUNNING, explicit=max_running is not None)
+    spec.stage_memory = [need.total(running) for need in needs]
+    return running
 
 
 def default_threads() -> int:
@@ -44,30 +78,35 @@ def unwrap(error: Exception) -> Exception:
 
 
 class ClusterEngine:
-    def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "float32",
+    def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "auto",
                  transport: str = "object_store", threads: int | None = None, split: list[int] | None = None,
                  microbatches: int = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int = 64, device: str = "cpu", fault_injection: dict | None = None,
-                 max_queued: int | None = None):
+                 max_running: int | None = None, device: str = "cpu", fault_injection: dict | None = None,
+                 max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT,
+                 max_model_len: int | None = DEFAULT_MAX_MODEL_LEN):
+        """max_running None: as many as memory allows, at most DEFAULT_MAX_RUNNING. max_model_len None:
+        the model's whole context."""
         if device != "cpu":
             raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
         if microbatches < pp:
             raise RaymoeError(f"--microbatches {microbatches} must be >= --pp {pp} to keep every stage busy")
         path = os.path.abspath(resolve_model_path(model))
-        files = open_model(path)          # config and tokenizer only: fail fast on a bad model
+        files = open_model(path, max_model_len)    # config and tokenizer only: fail fast on a bad model
         self.tokenizer, self.config = files.tokenizer, files.config
         slots = pp * (1 + ep)
         spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
                             ep=ep, dtype=dtype, transport=transport, split=split,
-                            threads=threads or default_threads())
+                            threads=threads or default_threads(), max_model_len=max_model_len)
         try:
             spec.validate()
         except ValueError as e:
             raise RaymoeError(str(e)) from None
         connect_ray(slots)
+        max_running = plan_memory(files, spec, max_running)
         self.pp = pp
         self.coordinator = Coordinator.options(num_cpus=0).remote(
-            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection, max_queued=max_queued)
+            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection, max_queued=max_queued,
+            stall_timeout=stall_timeout)
         self._call(self.coordinator.start.remote())
 
     def _call(self, ref, timeout=None):
@@ -114,6 +153,10 @@ class ClusterEngine:
         """Queue a request whose result is only read through stream(); raises RequestError for a bad
         request and QueueFullError when the bounded queue (max_queued) is full."""
         return await self._acall(self.coordinator.submit.remote(request_id, request, defaults, False))
+
+    async def check_health_async(self):
+        """Raise RaymoeError when the engine cannot make progress (see Coordinator.check_health)."""
+        await self._acall(self.coordinator.check_health.remote())
 
     async def load_async(self) -> dict:
         """{"running", "waiting", "queued", "slots", "max_queued", ...}: see Coordinator.load."""

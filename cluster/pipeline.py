@@ -30,11 +30,13 @@ class PipelineSpec:
     n_experts: int
     pp: int = 1
     ep: int = 0                      # expert actors per stage (0: experts in the stage)
-    dtype: str = "float32"
+    dtype: str = "auto"
     transport: str = "object_store"
     threads: int = 1                 # torch threads per actor
     split: list[int] | None = None   # layers per stage; even split when None
     use_gpu: bool = False
+    max_model_len: int | None = None
+    stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
 
     def validate(self):
         if self.transport not in TRANSPORTS:
@@ -50,8 +52,10 @@ class Pipeline:
         self.spec = spec
         self.ranges = split_layers(spec.n_layers, spec.pp, spec.split)
         resource = {"GPU": 1} if spec.use_gpu else {"CPU": 1}
-        n_bundles = spec.pp * (1 + spec.ep)
-        self.pg = placement_group([resource] * n_bundles, strategy="PACK")
+        memory = spec.stage_memory or [0] * spec.pp
+        # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
+        bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (spec.pp * spec.ep)
+        self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         self.stages: list = [None] * spec.pp
         self.experts: list[list] = [[] for _ in range(spec.pp)]
@@ -62,7 +66,7 @@ class Pipeline:
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
         env = {"OPENBLAS_NUM_THREADS": str(self.spec.threads)}
-        if self.spec.dtype == "float32" and blas_has_own_threads():
+        if self.spec.dtype != "int8" and blas_has_own_threads():
             # only an environment variable set before the process loads torch can say so
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
@@ -79,10 +83,11 @@ class Pipeline:
         if s.ep:
             per = s.n_experts // s.ep
             experts = [ExpertActor.options(**self._options(s.pp + i * s.ep + j)).remote(
-                s.model_path, layers, (j * per, (j + 1) * per), s.dtype, s.threads) for j in range(s.ep)]
+                s.model_path, layers, (j * per, (j + 1) * per), s.dtype, s.threads, s.max_model_len)
+                for j in range(s.ep)]
         self.experts[i] = experts
         self.stages[i] = StageActor.options(**self._options(i)).remote(s.model_path, layers, s.dtype, s.threads,
-                                                                      experts or None)
+                                                                      s.max_model_len, experts or None)
 
     def _connect(self):
         """Wait for every actor to load; join the process group for the gloo transport."""

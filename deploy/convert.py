@@ -70,7 +70,7 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
 
     if not os.path.isdir(hf_dir):
         raise RaymoeError(f"{hf_dir}: not a directory (convert takes an HF checkpoint directory)")
-    model = open_model(hf_dir)
+    model = open_model(hf_dir, max_model_len=None)     # the file keeps the checkpoint's whole context
     arch, cfg = model.arch, model.config
     names = dict(arch.global_tensor_shapes(cfg))
     if not model.source.has("output.weight"):
@@ -94,7 +94,7 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
                 raise RaymoeError(f"{hf_dir}: tensor {name} repacks to shape "
                                   f"{list(gguf.quant_shape_from_byte_shape(data.shape, raw))}, expected {list(shape)}")
         else:
-            data, raw = _encode(model.weight(name, shape, dtype=torch.float32), kind, name)
+            data, raw = _encode(model.tensor(name, shape), kind, name)
         writer.add_tensor(name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -3,16 +3,20 @@
     python -m deploy.generate --model MODEL --input IN.jsonl --output OUT.jsonl [flags]
 
 Each output line matches its input line, in order; a bad line gets {"id", "error"} and the
-rest of the batch still runs.
+rest of the batch still runs. SIGTERM or SIGINT ends the job without output, and stops the local
+Ray cluster it started (exit status 128 + the signal number).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 
 from stages.errors import RaymoeError, RequestError
+from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.sampling import SamplingParams
 
 
@@ -28,10 +32,14 @@ def parse_args(argv=None):
     p.add_argument("--split", default=None, help="layers per stage, e.g. 3,5 (default: even)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4, the same for every --pp)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="float32 is exact; bfloat16 (activations and weights) and int8 (weight matrices as "
-                        "int8 rows, float32 activations) are faster and approximate")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
+                   help="auto: weights compute in their file's format, quantised ones with 8-bit activations (as "
+                        "llama.cpp); float32: exact; int8: every weight matrix requantised to int8 rows")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="context bound: sizes each sequence's cache (default %(default)s, or the model's if shorter)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="sequences holding caches at once (default: as many as memory allows, at most 64)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -63,13 +71,53 @@ def read_requests(path: str) -> list[tuple[object, dict | None, str | None]]:
     return out
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT: unwind, so that the engine and the local Ray cluster are shut down."""
+
+
+class _Signals:
+    received: int | None = None
+    deferred = False      # while generating: raised at the next check, never inside Ray's result handling
+
+
+def _interrupt(signum, frame):
+    # a second signal must not cut the clean-up short
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    _Signals.received = signum
+    if not _Signals.deferred:
+        raise Interrupted(signum)
+
+
+def _check_signals():
+    if _Signals.received is not None:
+        raise Interrupted(_Signals.received)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from cluster.engine import disconnect_ray
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in SIGNALS} if on_main_thread else {}
+    _Signals.received, _Signals.deferred = None, False
+    _handle_signals()
     try:
         return run(args)
     except RaymoeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        signum = e.args[0]
+        print(f"error: interrupted by {signal.Signals(signum).name}; no output written", file=sys.stderr)
+        return 128 + signum
+    finally:
+        disconnect_ray()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def parse_split(text: str | None) -> list[int] | None:
@@ -95,10 +143,18 @@ def run(args) -> int:
     requests = read_requests(args.input)
     engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
                            threads=args.threads, split=parse_split(args.split), microbatches=args.microbatches,
-                           device=args.device)
+                           device=args.device, max_model_len=args.max_model_len, max_running=args.max_running)
+    _handle_signals()       # ray.init replaced the SIGTERM handler
     try:
+        try:
+            SamplingParams(**defaults).validate(engine.config.context_length)
+        except RequestError as e:
+            raise RaymoeError(f"bad sampling flag: {e}") from None
+        _Signals.deferred = True
+        _check_signals()
         results, elapsed = generate_all(engine, requests, defaults, tqdm)
         stats = engine.stats()
+        _check_signals()
     finally:
         engine.shutdown()
 
@@ -115,6 +171,12 @@ def run(args) -> int:
           f"({gen_tokens / max(elapsed, 1e-9):.1f} generated tok/s){ttft_text}; pp={args.pp} ep={args.ep} "
           f"transport={args.transport}", file=sys.stderr)
     return 0
+
+
+def _handle_signals():
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _interrupt)
 
 
 def generate_all(engine, requests, defaults, tqdm) -> tuple[list[dict], float]:
@@ -135,6 +197,7 @@ def generate_all(engine, requests, defaults, tqdm) -> tuple[list[dict], float]:
     with tqdm(total=len(index_of), desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
         remaining = len(index_of)
         while remaining:
+            _check_signals()
             for seq_id, result in engine.wait_finished(timeout=1.0):
                 results[index_of[seq_id]] = result
                 remaining -= 1

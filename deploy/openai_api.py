@@ -15,8 +15,8 @@ from stages.errors import RequestError
 from stages.requests import check_prompt, prompt_ids
 from stages.sampling import SamplingParams
 
-STATUS_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
-                503: "server_error"}
+STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
@@ -111,6 +111,15 @@ def _sampling(body: dict, max_tokens) -> dict:
     return out
 
 
+def check_text_size(n_chars: int, tokenizer, context_length: int, param: str):
+    """Refuse text that cannot fit the context whatever its tokens, before tokenizing it: this
+    bounds the tokenizer's work per request."""
+    if n_chars > context_length * tokenizer.max_token_bytes:
+        raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
+                            f"prompt has {n_chars} characters of text, more than {context_length} tokens can hold.",
+                       param=param, code="context_length_exceeded")
+
+
 def _check_length(ids: list[int], context_length: int, vocab: int, param: str):
     if len(ids) >= context_length:
         raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
@@ -141,7 +150,11 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]            # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        check_text_size(len(prompt), tokenizer, context_length, "prompt")
+        try:
+            ids = tokenizer.encode(prompt)
+        except RequestError as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -192,6 +205,8 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
+    check_text_size(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), tokenizer,
+                    context_length, "messages")
     try:
         ids = prompt_ids({"messages": messages}, tokenizer)
     except RequestError as e:

@@ -1,13 +1,15 @@
 """The Ray Serve application: an OpenAI-compatible HTTP API and the gRPC service of protos/,
 both over one pipeline (a coordinator and its PP stage actors, optionally expert actors).
 
-    python -m deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000]
+    python -m deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000] [--api-key KEY]
     serve run deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
 HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
-events), GET /health, GET /metrics (Prometheus). gRPC (through Serve's gRPC proxy): raymoe.Raymoe
-with Generate, GenerateStream, ListModels, Health.
+events), GET /health, GET /metrics (Prometheus). gRPC (a server of the ingress replica, on the host
+HTTP binds): raymoe.Raymoe with Generate, GenerateStream, ListModels, Health. With an API key
+(--api-key or RAYMOE_API_KEY), /v1/* need `Authorization: Bearer KEY` and gRPC calls the same
+metadata; /health and /metrics stay open (they show load, no content) for probes and scrapers.
 
 The app tokenizes prompts itself and submits token ids, so a seeded request gives exactly the
 tokens deploy.generate gives for the same line. A client that disconnects or cancels frees its
@@ -16,6 +18,8 @@ sequence at once; when more than `max_queued` sequences wait for a cache slot, n
 """
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -24,6 +28,7 @@ import sys
 import time
 from time import perf_counter
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, field_validator
@@ -32,12 +37,15 @@ from ray import serve
 from deploy.metrics import ServerMetrics
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, TokenText, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, request_error, sse)
+from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from protos.servicer import RaymoeServicer
 from stages.errors import RaymoeError, RequestError
 
 log = logging.getLogger("raymoe.serve")
-GRPC_SERVICER_FUNCTIONS = ["protos.raymoe_pb2_grpc.add_RaymoeServicer_to_server"]
 APP_NAME = "raymoe"
+MAX_BODY_BYTES = 4 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
+MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
+MAX_MESSAGES = 1024
 
 
 class ServeArgs(BaseModel):
@@ -57,11 +65,24 @@ class ServeArgs(BaseModel):
     prefill_chunk: int = 256
     max_running: int = 64                     # sequences holding cache slots at once
     max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
+    host: str = "127.0.0.1"                   # where gRPC listens (HTTP: Serve's http_options.host)
+    grpc_port: int = 0                        # 0: no gRPC
+    api_key: str | None = None                # required from clients when set (default: RAYMOE_API_KEY)
+    max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
+    max_json_depth: int = MAX_JSON_DEPTH
+    max_messages: int = MAX_MESSAGES          # messages per chat request
 
     @field_validator("max_queued")
     @classmethod
     def _unbounded(cls, v):
         return None if v is not None and v < 0 else v
+
+    @field_validator("max_body_bytes", "max_json_depth", "max_messages")
+    @classmethod
+    def _positive(cls, v, info):
+        if v < 1:
+            raise ValueError(f"{info.field_name} must be at least 1, got {v}")
+        return v
 
     @property
     def name(self) -> str:
@@ -130,6 +151,34 @@ class Serving:
         self.token_text = TokenText(self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
+        self.api_key = args.api_key.encode() if args.api_key else None
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header (or gRPC metadata) value carries the API key, if one is set."""
+        if self.api_key is None:
+            return True
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key)
+
+    def prepare(self, raw: bytes, parse):
+        """Parse and validate one HTTP body (in a worker thread: tokenizing releases the GIL, and the
+        limits bound the rest)."""
+        args = self.args
+        try:
+            body = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise APIError(400, f"the request body nests deeper than --max-json-depth ({args.max_json_depth})",
+                           code="json_too_deep") from None
+        if _depth(body) > args.max_json_depth:
+            raise APIError(400, f"the request body nests deeper than --max-json-depth ({args.max_json_depth})",
+                           code="json_too_deep")
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > args.max_messages:
+            raise APIError(400, f"messages has {len(messages)} entries, more than --max-messages "
+                                f"({args.max_messages})", param="messages", code="too_many_messages")
+        return parse(body, self.model_name, self.tokenizer, self.context_length, self.vocab)
 
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
         """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""
@@ -163,8 +212,51 @@ class Serving:
         self.engine.shutdown()
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _depth(value) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = APIError(413, f"the request body is larger than --max-body-bytes ({limit} bytes)",
+                         code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
+                    code="invalid_api_key")
 
 
 class GenerationStream(StreamingResponse):
@@ -197,19 +289,37 @@ async def _internal_error(request, e: Exception):
     return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
 
+# A replica that cannot start (a model whose weights do not load) fails the application at once,
+# rather than being retried without end.
 @serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
-                  health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+                  health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,
+                  max_constructor_retry_count=1)
 @serve.ingress(api)
 class RaymoeServer(RaymoeServicer):
-    """The ingress: one replica per pipeline (the pipeline's actors are its children)."""
+    """The ingress: one replica per pipeline (the pipeline's actors are its children). It also runs
+    the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
 
-    def __init__(self, args: dict | ServeArgs):
-        self.serving = Serving(args if isinstance(args, ServeArgs) else ServeArgs(**args))
+    async def __init__(self, args: dict | ServeArgs):
+        args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
+        self.serving = Serving(args)
+        self.grpc_server = None
+        if args.grpc_port:
+            self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_body_bytes)])
+            add_RaymoeServicer_to_server(self, self.grpc_server)
+            address = f"{_url_host(args.host)}:{args.grpc_port}"
+            try:
+                self.grpc_server.add_insecure_port(address)
+            except RuntimeError as e:
+                raise RaymoeError(f"cannot listen for gRPC on {address}: {e}") from None
+            await self.grpc_server.start()
 
     # ---- HTTP -------------------------------------------------------------------------------------
     @api.get("/v1/models")
-    async def list_models(self):
+    async def list_models(self, request: Request):
         s = self.serving
+        if not s.authorized(request.headers.get("authorization")):
+            s.metrics.answered("models", 401)
+            return error_response(unauthorized())
         s.metrics.answered("models", 200)
         return models_response(s.model_name, s.context_length, s.created)
 
@@ -241,11 +351,10 @@ class RaymoeServer(RaymoeServicer):
         s = self.serving
         arrived = perf_counter()
         try:
-            try:
-                body = json.loads(await request.body() or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(400, f"the request body is not valid JSON ({e})") from None
-            p = parse(body, s.model_name, s.tokenizer, s.context_length, s.vocab)
+            if not s.authorized(request.headers.get("authorization")):
+                raise unauthorized()
+            raw = await read_body(request, s.args.max_body_bytes)
+            p = await asyncio.to_thread(s.prepare, raw, parse)      # /health answers meanwhile
             generation = await s.start(p.id, p.engine_request, arrived)
         except APIError as e:
             s.metrics.answered(endpoint, e.status)
@@ -290,6 +399,12 @@ class RaymoeServer(RaymoeServicer):
         await self.serving.load(timeout=30)    # raises when the coordinator is gone or gave up
 
     def __del__(self):
+        grpc_server, self.grpc_server = getattr(self, "grpc_server", None), None
+        if grpc_server is not None:
+            try:     # stops listening now; calls in flight get a second
+                asyncio.get_running_loop().create_task(grpc_server.stop(grace=1))
+            except RuntimeError:
+                pass     # no loop: the process is exiting, and its sockets close with it
         serving = getattr(self, "serving", None)
         if serving is not None:
             self.serving = None
@@ -300,6 +415,8 @@ def app_builder(args: ServeArgs):
     """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
+    if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
+        args = args.model_copy(update={"api_key": os.environ["RAYMOE_API_KEY"]})
     return RaymoeServer.bind(args.model_dump())
 
 
@@ -320,9 +437,17 @@ def parse_args(argv=None):
     p.add_argument("--max-running", type=int, default=64, help="sequences holding cache slots at once")
     p.add_argument("--max-queued", type=int, default=256,
                    help="sequences that may wait for a slot; beyond that requests get 503 (-1: unbounded)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port (0: no gRPC)")
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port, on --host (0: no gRPC)")
+    p.add_argument("--api-key", default=os.environ.get("RAYMOE_API_KEY") or None,
+                   help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*, gRPC metadata) "
+                        "(default: $RAYMOE_API_KEY; none: no authentication)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="larger HTTP bodies get 413 (and gRPC messages RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH, help="deeper JSON bodies get 400")
+    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES, help="chats with more messages get 400")
     p.add_argument("--app-name", default=APP_NAME, help="the Serve application's name")
     return p.parse_args(argv)
 
@@ -347,7 +472,12 @@ def main(argv=None) -> int:
     serve_args = ServeArgs(model=args.model, served_model_name=args.served_model_name, pp=args.pp, ep=args.ep,
                            dtype=args.dtype, device=args.device, transport=args.transport, threads=args.threads,
                            microbatches=args.microbatches, max_running=args.max_running,
-                           max_queued=args.max_queued)
+                           max_queued=args.max_queued, host=args.host, grpc_port=args.grpc_port,
+                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                           max_json_depth=args.max_json_depth, max_messages=args.max_messages)
+    if not serve_args.api_key and not is_loopback(args.host):
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
     try:                          # fail fast, before starting anything, on a bad model
         from stages.loader import open_model
         open_model(args.model)
@@ -373,12 +503,13 @@ def main(argv=None) -> int:
     started_serve = False
     code = 0
     try:
-        grpc = {"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS} if args.grpc_port else None
-        serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
+        serve.start(http_options={"host": args.host, "port": args.port})
         started_serve = True
         serve.run(app_builder(serve_args), name=args.app_name, route_prefix="/")
-        grpc_text = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
-        print(f"serving {serve_args.name} (pp={args.pp}) on http://{args.host}:{args.port}{grpc_text}; "
+        host = _url_host(args.host)
+        grpc_text = f", gRPC on {host}:{args.grpc_port}" if args.grpc_port else ""
+        auth = "API key required" if serve_args.api_key else "no authentication"
+        print(f"serving {serve_args.name} (pp={args.pp}) on http://{host}:{args.port}{grpc_text} ({auth}); "
               f"Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .dense import FEW_ROWS, group_table
+from .native import few_rows
+
 K_MULTIPLE = 16
 
 
@@ -39,6 +42,46 @@ class Int8Weight:
     def clone(self) -> "Int8Weight":
         return Int8Weight(self.q.clone(), self.scale.clone())
 
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[..., None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scale[ids][:, None]
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= FEW_ROWS and self._few_rows(x, [(0, 0, x.shape[0])], out, single=True):
+            return out
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q,
+                                               self.scale.to(torch.bfloat16))
+        return out.copy_(y)
+
+    def grouped(self, x: torch.Tensor, groups: list[tuple[int, int, int]], out: torch.Tensor) -> torch.Tensor:
+        few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]
+        if few and self._few_rows(x, few, out):
+            groups = [g for g in groups if g[2] - g[1] > FEW_ROWS]
+        for g, a, b in groups:
+            self[g].linear(x[a:b], out[a:b])
+        return out
+
+    def _few_rows(self, x, groups, out, single: bool = False) -> bool:
+        """kernels/csrc/few_rows.c's int8 kernel; False where that library or the layout can't."""
+        lib = few_rows()
+        if lib is None or x.stride(-1) != 1 or out.stride(-1) != 1 or not self.q.is_contiguous():
+            return False
+        n, k = self.q.shape[-2:]
+        if lib.raymoe_i8_grouped(x.data_ptr(), x.shape[0], x.stride(0), self.q.data_ptr(), self.scale.data_ptr(),
+                                 0 if single else n * k, group_table(groups), len(groups), n, k, out.data_ptr(),
+                                 out.stride(0)):
+            raise MemoryError("int8 product: out of memory")
+        return True
+
+    def same_format(self, other) -> bool:
+        return True
+
+    @staticmethod
+    def cat(parts: list["Int8Weight"], dim: int) -> "Int8Weight":
+        return Int8Weight(torch.cat([p.q for p in parts], dim), torch.cat([p.scale for p in parts], dim))
+
 
 def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
     """Symmetric int8 per row of the last dimension; None when the kernel can't take w."""
@@ -49,27 +92,3 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
     scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
     q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scale.contiguous())
-
-
-def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (rounded to bfloat16 for the kernel) times w -> [T, N] in x's dtype, or into `out`."""
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w.q, w.scale.to(torch.bfloat16))
-    y = y.to(x.dtype) if out is None else out.copy_(y)
-    return y if bias is None else y.add_(bias)
-
-
-def cat_weights(weights: list, dim: int = 0):
-    """torch.cat (along a dimension other than the last) for weights that may be Int8Weight; float
-    ones joining them are quantised too (they share the inner size, so the kernel takes them)."""
-    if not any(isinstance(w, Int8Weight) for w in weights):
-        return torch.cat(weights, dim)
-    parts = [w if isinstance(w, Int8Weight) else quantize_rows(w) for w in weights]
-    return Int8Weight(torch.cat([p.q for p in parts], dim), torch.cat([p.scale for p in parts], dim))
-
-
-def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:
-    """Embedding rows of a float or Int8Weight table, as float32 for an Int8Weight."""
-    if isinstance(table, Int8Weight):
-        return table.q[ids].float() * table.scale[ids].float()[:, None]
-    return torch.nn.functional.embedding(ids, table)

@@ -29,7 +29,13 @@ import torch  # noqa: F401  (loads torch's OpenMP runtime before the library lin
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+
+
+def march() -> str:
+    """The -march the libraries are built for: the machine's own CPU, or $RAYMOE_MARCH (e.g.
+    x86-64, haswell) to build and test the code paths of other CPUs."""
+    return os.environ.get("RAYMOE_MARCH", "native")
 
 
 def _cache_dir() -> Path:
@@ -47,18 +53,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source: Path = SOURCE, arch: str | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """source compiled to a shared library for -march=arch (default march()), cached by a key of
+    everything that shapes the binary."""
+    flags = [*FLAGS, f"-march={arch or march()}", *extra]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(flags),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"few_rows-{key}.so"
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # built beside the target and renamed into place, so processes building at once never see half a file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True,
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -66,17 +75,22 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, cc or gcc."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @lru_cache(maxsize=None)
 def few_rows() -> ctypes.CDLL | None:
     """The loaded library, or None where it can't be used here (the reason is logged once)."""
     if os.environ.get("RAYMOE_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler found: few-row products use OpenBLAS and PyTorch (slower decode)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native kernels unavailable (%s): few-row products use OpenBLAS and PyTorch", e)
         return None

@@ -1,26 +1,28 @@
 """The raymoe.Raymoe gRPC service (protos/raymoe.proto) as methods of the Serve ingress.
 
-Ray Serve's gRPC proxy registers the generated `add_RaymoeServicer_to_server` and calls the
-ingress deployment's method of the same name as the RPC; the class using this mixin provides
-`self.serving` (deploy.serve.Serving). Errors map to gRPC status codes: bad request
-INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED, pipeline down
-UNAVAILABLE, anything else INTERNAL. A client that cancels a stream frees its sequence at once.
+The ingress replica runs a grpc.aio server with these methods (deploy.serve.RaymoeServer); the
+class using this mixin provides `self.serving` (deploy.serve.Serving). Errors map to gRPC status
+codes: bad request INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED,
+pipeline down UNAVAILABLE, no or wrong API key UNAUTHENTICATED (metadata `authorization: Bearer
+KEY`), anything else INTERNAL. A client that cancels a stream frees its sequence at once.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from time import perf_counter
 
 import grpc
 
-from deploy.openai_api import APIError, TextDeltas, usage
+from deploy.openai_api import APIError, TextDeltas, check_text_size, usage
 from stages.errors import RequestError
 from stages.requests import check_prompt, prompt_ids
 
 from . import raymoe_pb2 as pb
 
-STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-                503: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL}
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                500: grpc.StatusCode.INTERNAL}
 
 
 def engine_request(request: pb.GenerateRequest, serving) -> dict:
@@ -32,11 +34,17 @@ def engine_request(request: pb.GenerateRequest, serving) -> dict:
     if which is None:
         raise APIError(400, "a request needs one of prompt, prompt_token_ids, messages", param="input")
     if which == "prompt":
+        check_text_size(len(request.prompt), serving.tokenizer, serving.context_length, which)
         line = {"prompt": request.prompt}
     elif which == "prompt_token_ids":
         line = {"prompt_token_ids": list(request.prompt_token_ids.ids)}
     else:
-        line = {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]}
+        messages = request.messages.messages
+        if len(messages) > serving.args.max_messages:
+            raise APIError(400, f"messages has {len(messages)} entries, more than --max-messages "
+                                f"({serving.args.max_messages})", param=which)
+        check_text_size(sum(len(m.content) for m in messages), serving.tokenizer, serving.context_length, which)
+        line = {"messages": [{"role": m.role, "content": m.content} for m in messages]}
     try:
         ids = prompt_ids(line, serving.tokenizer)
         check_prompt(ids, serving.vocab, serving.context_length)
@@ -56,24 +64,29 @@ def logprobs_pb(entries) -> list:
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e["top"]]) for e in entries or []]
 
 
-def _abort(grpc_context, e: APIError):
-    if grpc_context is not None:
-        code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
-        if e.code == "unavailable":
-            code = grpc.StatusCode.UNAVAILABLE
-        grpc_context.set_code(code)
-        grpc_context.set_details(e.message)
+async def _abort(grpc_context, e: APIError):
+    """Ends the call with the status of `e` (raises)."""
+    code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
+    if e.code == "unavailable":
+        code = grpc.StatusCode.UNAVAILABLE
+    await grpc_context.abort(code, e.message)
 
 
 class RaymoeServicer:
+    async def _authenticate(self, grpc_context):
+        if not self.serving.authorized(dict(grpc_context.invocation_metadata()).get("authorization")):
+            await grpc_context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                     "a valid API key is required: send metadata 'authorization: Bearer KEY'")
+
     async def _start(self, request):
         arrived = perf_counter()
         s = self.serving
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        line = engine_request(request, s)
+        line = await asyncio.to_thread(engine_request, request, s)     # tokenizing: off the event loop
         return rid, line, await s.start(rid, line, arrived)
 
-    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
+        await self._authenticate(grpc_context)
         generation = None
         try:
             rid, _, generation = await self._start(request)
@@ -87,13 +100,13 @@ class RaymoeServicer:
                 usage=pb.Usage(**usage(**result["usage"])), logprobs=logprobs_pb(result["logprobs"]))
         except APIError as e:
             self.serving.metrics.answered("grpc_generate", e.status)
-            _abort(grpc_context, e)
-            return pb.GenerateResponse()
+            await _abort(grpc_context, e)
         finally:
             if generation is not None:
                 generation.abort()      # no-op when it finished; frees the sequence when the call was cancelled
 
-    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context):
+        await self._authenticate(grpc_context)
         generation = None
         try:
             rid, line, generation = await self._start(request)
@@ -118,20 +131,18 @@ class RaymoeServicer:
                 yield message
         except APIError as e:
             self.serving.metrics.answered("grpc_generate_stream", e.status)
-            _abort(grpc_context, e)
-            # Serve's proxy takes a stream's status from the context only with a message, or from a
-            # raised error (keeping the code set above)
-            raise RuntimeError(e.message) from None
+            await _abort(grpc_context, e)
         finally:
             if generation is not None:
                 generation.abort()
 
-    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:
+        await self._authenticate(grpc_context)
         s = self.serving
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.model_name, context_length=s.context_length,
                                                           pipeline_stages=s.engine.pp)])
 
-    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+    async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:
         try:
             await self.serving.load()
         except Exception as e:

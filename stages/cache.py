@@ -7,12 +7,13 @@ import torch
 class KVCache:
     """Keys/values of one sequence for one attention layer, with their absolute positions.
 
-    Storage grows by doubling. With a window, only the last `window` positions are kept
-    after each step, so memory stays bounded however long the sequence gets.
+    Storage grows by doubling, up to `max_len` positions (the context). With a window, only the
+    last `window` positions are kept after each step, so memory stays bounded however long the
+    sequence gets.
     """
 
-    def __init__(self, window: int | None = None):
-        self.window = window
+    def __init__(self, window: int | None = None, max_len: int | None = None):
+        self.window, self.max_len = window, max_len
         self.k = self.v = self.pos = None
         self.length = 0
 
@@ -26,6 +27,8 @@ class KVCache:
             self.pos = torch.empty(cap, dtype=torch.long)
         elif self.length + n > self.k.shape[0]:
             cap = max(self.length + n, 2 * self.k.shape[0])
+            if self.max_len:
+                cap = max(self.length + n, min(cap, self.max_len))
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
         end = self.length + n
         self.k[self.length:end], self.v[self.length:end], self.pos[self.length:end] = k, v, pos
@@ -54,6 +57,11 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.k is None else sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
 
+    @staticmethod
+    def bytes_for(positions: int, n_kv_head: int, head_dim: int) -> int:
+        """What `positions` keys and values in float32, with their positions, take."""
+        return positions * (2 * n_kv_head * head_dim * 4 + 8)
+
 
 class DeltaNetCache:
     """Conv inputs of the last K-1 tokens and the float32 recurrent state [H_v, dk, dv]."""
@@ -66,3 +74,7 @@ class DeltaNetCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+
+    @staticmethod
+    def bytes_for(conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int) -> int:
+        return 4 * ((conv_kernel - 1) * conv_dim + n_v_heads * dk * dv)

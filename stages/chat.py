@@ -6,6 +6,8 @@ with the same helpers transformers provides (and the same guards on `dict` and `
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from datetime import datetime
 from functools import lru_cache
 
@@ -117,7 +119,45 @@ def validate_messages(messages) -> list[dict]:
     return out
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+class ChatPrompt(str):
+    """A rendered chat prompt that can tell which special-token strings came from the messages.
+
+    Message text is the user's: Tokenizer.encode encodes it as plain text, so `<|im_end|>` written in a
+    message never becomes the control token that ends a turn (a faked system turn stays text).
+    `protect(specials)` renders again with each such string in a message replaced by a placeholder
+    that the user cannot write (it holds a random nonce); `restore` puts the strings back."""
+
+    def __new__(cls, text: str, render, messages: list[dict]):
+        self = super().__new__(cls, text)
+        self._render, self._messages = render, messages
+        self._nonce = uuid.uuid4().hex
+        self._literals: list[str] = []
+        return self
+
+    def protect(self, specials: re.Pattern) -> str | None:
+        """The prompt rendered with placeholders for the special strings in messages; None when there are none."""
+        def hide(value):
+            if isinstance(value, str):
+                return specials.sub(lambda m: self._placeholder(m.group(0)), value)
+            if isinstance(value, list):
+                return [hide(v) for v in value]
+            if isinstance(value, dict):
+                return {k: hide(v) for k, v in value.items()}
+            return value
+
+        self._literals = []
+        hidden = [hide(m) for m in self._messages]
+        return self._render(hidden) if self._literals else None
+
+    def _placeholder(self, literal: str) -> str:
+        self._literals.append(literal)
+        return f"\ue000{self._nonce}:{len(self._literals) - 1}\ue001"
+
+    def restore(self, text: str) -> str:
+        return re.sub(f"\ue000{self._nonce}:(\\d+)\ue001", lambda m: self._literals[int(m.group(1))], text)
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> ChatPrompt:
     """The prompt text for `messages`. `extra` becomes template variables (e.g. bos_token, enable_thinking)."""
     if not isinstance(template, str):
         raise RequestError("the model has no chat template")
@@ -126,11 +166,15 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         compiled = _compile(template)
     except jinja2.TemplateSyntaxError as e:
         raise RequestError(f"chat template syntax error (line {e.lineno}): {_one_line(e.message)}") from None
-    try:
-        return compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra
-        )
-    except _TemplateError as e:
-        raise RequestError(f"chat template: {_one_line(e)}") from None
-    except Exception as e:  # anything an untrusted template does wrong is the request's problem, not ours
-        raise RequestError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+
+    def render(messages):
+        try:
+            return compiled.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra
+            )
+        except _TemplateError as e:
+            raise RequestError(f"chat template: {_one_line(e)}") from None
+        except Exception as e:  # anything an untrusted template does wrong is the request's problem, not ours
+            raise RequestError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+
+    return ChatPrompt(render(messages), render, messages)

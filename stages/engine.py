@@ -11,6 +11,7 @@ or a layer split without any transport, which the tests use to check the split i
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -20,6 +21,8 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stage import Stage
+
+log = logging.getLogger("raymoe.engine")
 
 
 def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[range]:
@@ -65,24 +68,33 @@ class EngineCore:
 
     def consume(self, logits: torch.Tensor, plan) -> list[Sequence]:
         """Apply one batch's logits: prompt logprobs, sampling, stop checks. Returns finished sequences
-        (their caches in the stages are the caller's to release)."""
+        (their caches in the stages are the caller's to release); a sequence whose sampling raised is
+        among them, with its error set."""
         finished = []
         for c in plan:
             seq = c.seq
-            at_tip = c.start + c.length == len(seq.tokens)
-            if c.all_rows:
-                rows = logits[c.logit_row:c.logit_row + c.length]
-                seq.record_prompt_logprobs(c.start, torch.log_softmax(rows, -1))
-                last = rows[-1]
-            else:
-                last = logits[c.logit_row] if at_tip else None
-            seq.n_cached += c.length
-            if at_tip:
-                seq.append_token(last)
+            try:
+                self._apply(seq, c, logits)
+            except Exception as e:     # a bug or bad numbers in this sequence: it alone fails
+                log.exception("sequence %s (request %r) failed", seq.seq_id, seq.request_id)
+                seq.error = f"internal error: {type(e).__name__}: {e}"
+                seq.finish_reason = "error"
             if seq.finish_reason is not None:
                 self.finish(seq)
                 finished.append(seq)
         return finished
+
+    def _apply(self, seq: Sequence, c, logits: torch.Tensor):
+        at_tip = c.start + c.length == len(seq.tokens)
+        if c.all_rows:
+            rows = logits[c.logit_row:c.logit_row + c.length]
+            seq.record_prompt_logprobs(c.start, torch.log_softmax(rows, -1))
+            last = rows[-1]
+        else:
+            last = logits[c.logit_row] if at_tip else None
+        seq.n_cached += c.length
+        if at_tip:
+            seq.append_token(last)
 
     def finish(self, seq: Sequence, reason: str | None = None):
         """Remove a sequence (done, or cancelled with `reason`)."""
@@ -99,13 +111,13 @@ class EngineCore:
 
 
 class LocalEngine(EngineCore):
-    def __init__(self, model: ModelFiles, n_stages: int = 1, precision: str = "float32",
+    def __init__(self, model: ModelFiles, n_stages: int = 1, mode: str = "auto",
                  scheduler: Scheduler | None = None, n_groups: int = 1):
         super().__init__(model.config, model.tokenizer, n_groups)
         if scheduler is not None:
             self.groups = [scheduler]
         self.model = model
-        self.stages = [Stage(model, r, precision) for r in split_layers(model.n_layers, n_stages)]
+        self.stages = [Stage(model, r, mode) for r in split_layers(model.n_layers, n_stages)]
         self._next_group = 0
 
     def step(self) -> list[Sequence]:

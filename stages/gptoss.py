@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import attention
-from kernels.int8 import cat_weights
 from kernels.linear import linear
+from kernels.weights import cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 
@@ -31,6 +31,7 @@ from .errors import ModelFormatError
 from .gguf_file import arch_key_reader
 
 ARCH = "gpt-oss"
+PREFILL_CHUNK_MAX = 512    # the most tokens of one sequence a step holds (the default max_batch_tokens)
 TOKENIZER_PRE = "gpt-4o"
 DEFAULT_ROPE_THETA = 150000.0           # transformers' GptOssConfig.default_theta
 # transformers' GptOssConfig fills in this block when a config names no RoPE parameters at all.
@@ -235,6 +236,15 @@ def layer_tensor_shapes(cfg: GptOssConfig, i: int) -> dict:
     }
 
 
+def layer_cache_bytes(cfg: GptOssConfig, i: int) -> int:
+    """The most one sequence's cache of layer i takes: a full context of keys and values, or on a
+    sliding layer twice the window plus a prefill chunk (what it holds before trimming)."""
+    positions = cfg.context_length
+    if cfg.is_sliding(i):
+        positions = min(positions, 2 * cfg.sliding_window + PREFILL_CHUNK_MAX)
+    return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)
+
+
 def global_tensor_shapes(cfg: GptOssConfig) -> dict:
     return {"token_embd.weight": (cfg.vocab, cfg.hidden), "output_norm.weight": (cfg.hidden,),
             "output.weight": (cfg.vocab, cfg.hidden)}
@@ -252,15 +262,15 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Attention:
     def __init__(self, cfg: GptOssConfig, w, p: str, i: int):
         self.cfg = cfg
-        self.q, self.q_bias = w(p + "attn_q.weight"), w(p + "attn_q.bias")
-        self.k, self.k_bias = w(p + "attn_k.weight"), w(p + "attn_k.bias")
-        self.v, self.v_bias = w(p + "attn_v.weight"), w(p + "attn_v.bias")
-        self.o, self.o_bias = w(p + "attn_output.weight"), w(p + "attn_output.bias")
-        self.sinks = w(p + "attn_sinks.weight", torch.float32)
+        self.q, self.q_bias = w.matrix(p + "attn_q.weight"), w(p + "attn_q.bias")
+        self.k, self.k_bias = w.matrix(p + "attn_k.weight"), w(p + "attn_k.bias")
+        self.v, self.v_bias = w.matrix(p + "attn_v.weight"), w(p + "attn_v.bias")
+        self.o, self.o_bias = w.matrix(p + "attn_output.weight"), w(p + "attn_output.bias")
+        self.sinks = w(p + "attn_sinks.weight")
         self.window = cfg.sliding_window if cfg.is_sliding(i) else None
 
     def new_cache(self):
-        return KVCache(window=self.window)
+        return KVCache(window=self.window, max_len=self.cfg.context_length)
 
     def _rope(self, ctx):
         # one table per step, shared by every layer (the parameters are the model's, not the layer's)
@@ -291,10 +301,9 @@ def load_experts(cfg: GptOssConfig, w, layer: int, experts: range | None = None)
     """The routed experts of one layer (a slice of them for expert parallelism) as a function
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
-    pick = (lambda t: t) if experts is None else (lambda t: t[experts.start:experts.stop].clone())
-    gate_up = cat_weights([pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))], dim=1)
-    gate_up_bias = torch.cat((pick(w(p + "ffn_gate_exps.bias")), pick(w(p + "ffn_up_exps.bias"))), dim=1)
-    down, down_bias = pick(w(p + "ffn_down_exps.weight")), pick(w(p + "ffn_down_exps.bias"))
+    gate_up = cat_weights([w.matrix(p + "ffn_gate_exps.weight", experts), w.matrix(p + "ffn_up_exps.weight", experts)], dim=1)
+    gate_up_bias = torch.cat((w(p + "ffn_gate_exps.bias", experts), w(p + "ffn_up_exps.bias", experts)), dim=1)
+    down, down_bias = w.matrix(p + "ffn_down_exps.weight", experts), w(p + "ffn_down_exps.bias", experts)
 
     def activation(h):
         return clamped_swiglu(h, cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -307,7 +316,7 @@ class MoEFeedForward:
     def __init__(self, cfg: GptOssConfig, w, layer: int, remote_experts=None):
         p = f"blk.{layer}."
         self.cfg = cfg
-        self.router, self.router_bias = w(p + "ffn_gate_inp.weight"), w(p + "ffn_gate_inp.bias")
+        self.router, self.router_bias = w.matrix(p + "ffn_gate_inp.weight"), w(p + "ffn_gate_inp.bias")
         # Routed experts run here, or in expert actors behind `remote_experts(layer, x, ids)`.
         if remote_experts is None:
             self.experts = load_experts(cfg, w, layer)

@@ -13,11 +13,19 @@ from typing import Any
 import torch
 
 from kernels.int8 import quantize_rows
+from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight
 
 from .errors import ModelFormatError
 from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = ("tiny-qwen35moe", "tiny-gptoss")
+
+# --dtype: how weight matrices compute. Activations are float32 in every mode.
+MODES = {
+    "auto": "each weight in its file's format; quantised ones take 8-bit activations in few-row products",
+    "float32": "exact: float32 activations against the exactly dequantised weight values",
+    "int8": "every weight matrix requantised to int8 rows at load",
+}
 
 
 def architectures() -> dict[str, ModuleType]:
@@ -53,14 +61,43 @@ class ModelFiles:
                 shapes["output.weight"] = glob["output.weight"]
         return shapes
 
-    def weight(self, name: str, shape: tuple, dtype: torch.dtype, int8: bool = False):
-        """The tensor in `dtype`; with int8, a weight matrix comes as an Int8Weight instead when
-        the int8 kernel can take it (kernels/int8.py). Biases stay float: they are added, not multiplied."""
+    def tensor(self, name: str, shape: tuple, experts: range | None = None) -> torch.Tensor:
+        """A tensor used as values (norms, biases, convolution taps), as float32; with `experts`, only
+        that slice of its leading (expert) dimension."""
         t = self.source.get(name)
-        if tuple(t.shape) != tuple(shape):
-            raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-        q = quantize_rows(t) if int8 and name.endswith(".weight") else None
-        return q if q is not None else t.to(dtype).contiguous()
+        self._check_shape(name, t.shape, shape)
+        if experts is not None:
+            t = t[experts.start:experts.stop].clone()
+        return t.float().contiguous()
+
+    def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None):
+        """A weight matrix (or stack of them) for products, in the form `mode` asks (see MODES); with
+        `experts`, only that slice of its leading (expert) dimension."""
+        if mode == "int8":
+            t = self.tensor(name, shape, experts)
+            return quantize_rows(t) or DenseWeight(t)
+        if isinstance(self.source, GGUFFile):
+            self._check_shape(name, self.source.info(name).torch_shape, shape)
+            data, ggml_type = self.source.raw_tensor(name, experts)
+        else:
+            raw = self.source.raw_tensor(name) if hasattr(self.source, "raw_tensor") else None
+            if raw is None:
+                return DenseWeight(self.tensor(name, shape, experts))
+            data, ggml_type = torch.as_tensor(raw[0]), raw[1]
+            self._check_shape(name, (*data.shape[:-1], shape[-1]), shape)
+            if experts is not None:
+                data = data[experts.start:experts.stop].clone()
+        k = shape[-1]
+        if int(ggml_type) == F32:
+            return DenseWeight(data.view(torch.float32).reshape(*data.shape[:-1], k))
+        if int(ggml_type) not in BLOCK_TYPES:
+            raise ModelFormatError(f"{self.path}: tensor {name} has ggml type {int(ggml_type)}, which raymoe "
+                                   f"cannot compute with")
+        return BlockWeight(data, int(ggml_type), k, quantize_activations=mode == "auto")
+
+    def _check_shape(self, name: str, got, expected):
+        if tuple(got) != tuple(expected):
+            raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(got)}, expected {list(expected)}")
 
 
 def resolve_model_path(model: str) -> str:
@@ -72,7 +109,12 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def open_model(model: str) -> ModelFiles:
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) -> ModelFiles:
+    """The model's config, tokenizer and tensor table; its context is bounded by max_model_len
+    (None: the file's own), which sizes the caches."""
     from .tokenizer import Tokenizer
 
     path = resolve_model_path(model)
@@ -97,4 +139,8 @@ def open_model(model: str) -> ModelFiles:
         config = arch.config_from_gguf(gguf.metadata, path)
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    if max_model_len is not None and max_model_len < 2:
+        raise ModelFormatError(f"--max-model-len {max_model_len} must be at least 2")
+    if max_model_len is not None:
+        config.context_length = min(config.context_length, max_model_len)
     return ModelFiles(path=path, arch=arch, config=config, source=source, tokenizer=tokenizer)

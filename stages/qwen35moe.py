@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from kernels.attention import attention
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
-from kernels.int8 import cat_weights
 from kernels.linear import linear
+from kernels.weights import cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, swiglu
 from kernels.norms import gated_rms_norm, rms_norm
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -192,6 +192,14 @@ def layer_tensor_shapes(cfg: Qwen35MoeConfig, i: int) -> dict:
     return shapes
 
 
+def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int) -> int:
+    """The most one sequence's cache of layer i takes: a full context of keys and values, or the
+    DeltaNet state (whatever the length)."""
+    if cfg.is_full_attention(i):
+        return KVCache.bytes_for(cfg.context_length, cfg.n_kv_head, cfg.head_dim)
+    return DeltaNetCache.bytes_for(cfg.conv_kernel, cfg.conv_dim, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim)
+
+
 def global_tensor_shapes(cfg: Qwen35MoeConfig) -> dict:
     return {"token_embd.weight": (cfg.vocab, cfg.hidden), "output_norm.weight": (cfg.hidden,),
             "output.weight": (cfg.vocab, cfg.hidden)}
@@ -206,13 +214,13 @@ class DeltaNetMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
         # The four projections of the input are stacked into one product (fewer, larger products).
-        self.inputs = cat_weights([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight"), w(p + "ssm_beta.weight"),
-                                   w(p + "ssm_alpha.weight")])
+        self.inputs = cat_weights([w.matrix(p + "attn_qkv.weight"), w.matrix(p + "attn_gate.weight"), w.matrix(p + "ssm_beta.weight"),
+                                   w.matrix(p + "ssm_alpha.weight")])
         self.conv = w(p + "ssm_conv1d.weight")
-        self.dt_bias = w(p + "ssm_dt.bias", torch.float32)
-        self.a = w(p + "ssm_a", torch.float32)
+        self.dt_bias = w(p + "ssm_dt.bias")
+        self.a = w(p + "ssm_a")
         self.norm = w(p + "ssm_norm.weight")
-        self.out = w(p + "ssm_out.weight")
+        self.out = w.matrix(p + "ssm_out.weight")
 
     def new_cache(self):
         c = self.cfg
@@ -278,14 +286,14 @@ class DeltaNetMixer:
 class GatedAttentionMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
-        self.qkv = cat_weights([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])
+        self.qkv = cat_weights([w.matrix(p + "attn_q.weight"), w.matrix(p + "attn_k.weight"), w.matrix(p + "attn_v.weight")])
         self.q_norm = w(p + "attn_q_norm.weight")
         self.k_norm = w(p + "attn_k_norm.weight")
-        self.o = w(p + "attn_output.weight")
+        self.o = w.matrix(p + "attn_output.weight")
         self.inv_freq = inv_frequencies(cfg.rope_base, cfg.rope_dim)
 
     def new_cache(self):
-        return KVCache()
+        return KVCache(max_len=self.cfg.context_length)
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, T = self.cfg, x.shape[0]
@@ -311,9 +319,8 @@ def load_experts(cfg: Qwen35MoeConfig, w, layer: int, experts: range | None = No
     """The routed experts of one layer (a slice of them for expert parallelism) as a function
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
-    pick = (lambda t: t) if experts is None else (lambda t: t[experts.start:experts.stop].clone())
-    gate_up = cat_weights([pick(w(p + "ffn_gate_exps.weight")), pick(w(p + "ffn_up_exps.weight"))], dim=1)
-    down = pick(w(p + "ffn_down_exps.weight"))
+    gate_up = cat_weights([w.matrix(p + "ffn_gate_exps.weight", experts), w.matrix(p + "ffn_up_exps.weight", experts)], dim=1)
+    down = w.matrix(p + "ffn_down_exps.weight", experts)
     return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, experts=experts)
 
 
@@ -327,11 +334,11 @@ class MoEFeedForward:
         else:
             self.experts = lambda x, ids: remote_experts(layer, x, ids)
         # One product gives the router logits and, with a shared expert, its gate and gate/up.
-        inputs = [w(p + "ffn_gate_inp.weight")]
+        inputs = [w.matrix(p + "ffn_gate_inp.weight")]
         if cfg.shared_ff:
-            inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w(p + "ffn_gate_shexp.weight"),
-                       w(p + "ffn_up_shexp.weight")]
-            self.shared_down = w(p + "ffn_down_shexp.weight")
+            inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w.matrix(p + "ffn_gate_shexp.weight"),
+                       w.matrix(p + "ffn_up_shexp.weight")]
+            self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
         self.inputs = cat_weights(inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

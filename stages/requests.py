@@ -39,5 +39,7 @@ def check_prompt(ids: list[int], vocab_size: int, context_length: int):
                            f"(at most {context_length - 1} prompt tokens)")
 
 
-def sampling_params(request: dict, defaults: SamplingParams) -> SamplingParams:
-    return SamplingParams.from_dict(request, defaults)
+def sampling_params(request: dict, defaults: SamplingParams, context_length: int | None = None) -> SamplingParams:
+    """The one validation of sampling values that JSONL lines, HTTP bodies and gRPC requests all go
+    through (in the coordinator): RequestError with a one-line message, or the parameters."""
+    return SamplingParams.from_dict(request, defaults, context_length)

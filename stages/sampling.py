@@ -3,6 +3,11 @@
 Each sequence has its own torch.Generator, so a seeded request draws the same tokens
 whatever else shares its batch. Logprobs are the log-softmax of the raw logits (before
 temperature, top-k or top-p).
+
+Validation bounds every value by what the arithmetic can bear: a temperature below
+MIN_TEMPERATURE (but above 0) is greedy, as 0 is, since dividing by it would overflow;
+max_tokens is at most the model's context; stop strings are at most MAX_STOPS strings of at
+most MAX_STOP_CHARS characters each.
 """
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ import torch
 from .errors import RequestError
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5     # below it (and above 0) sampling is greedy: logits / temperature would overflow
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -29,17 +37,20 @@ class SamplingParams:
     ignore_eos: bool = False          # run to max_tokens through end tokens (as vLLM's; for benchmarks)
 
     @classmethod
-    def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None) -> "SamplingParams":
-        """Defaults overridden by the known keys of `values`; every value is checked."""
+    def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None,
+                  context_length: int | None = None) -> "SamplingParams":
+        """Defaults overridden by the known keys of `values`; every value is checked (see validate)."""
         base = {f.name: getattr(defaults or cls(), f.name) for f in fields(cls)}
         for name in base:
             if name in values and values[name] is not None:
                 base[name] = values[name]
         params = cls(**base)
-        params.validate()
+        params.validate(context_length)
         return params
 
-    def validate(self):
+    def validate(self, context_length: int | None = None):
+        """Raise RequestError (one line naming the field and its limit) for any value out of bounds;
+        with context_length, max_tokens may not exceed the model's context."""
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -47,25 +58,40 @@ class SamplingParams:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {_short(self.max_tokens)}")
         if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
-            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be a number in [0, 100], got {_short(self.temperature)}")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be a number in (0, 1], got {_short(self.top_p)}")
         if not is_int(self.top_k) or self.top_k < -1:
-            raise RequestError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+            raise RequestError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {_short(self.top_k)}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
-            raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise RequestError(f"seed must be a non-negative integer, got {_short(self.seed)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {_short(self.stop)}")
+        if len(self.stop) > MAX_STOPS:
+            raise RequestError(f"stop has {len(self.stop)} strings; at most {MAX_STOPS} are allowed")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise RequestError(f"stop strings may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be a boolean, got {_short(self.ignore_eos)}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_short(v)}")
+        # last, so that a request is refused for the same field whether or not the context is known yet
+        if context_length is not None and self.max_tokens > context_length:
+            raise RequestError(f"max_tokens must be at most the model's context ({context_length} tokens), "
+                               f"got {self.max_tokens}")
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr() cut to `limit` characters: an error message never echoes a huge value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> dict:
@@ -86,9 +112,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """One token from a float32 logits row [V]."""
         p = self.params
-        if p.temperature == 0:
+        if p.temperature < MIN_TEMPERATURE:
             return int(torch.argmax(logits))
-        scaled = logits / p.temperature
+        # relative to the best logit, so the scaled values are <= 0 and never overflow to +inf
+        scaled = (logits - logits.max()) / p.temperature
         if p.top_k > 0 and p.top_k < scaled.shape[0]:
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -97,6 +124,7 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False            # a top_p that is 0 in float32 (5e-324) still keeps the best token
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

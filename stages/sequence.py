@@ -6,6 +6,18 @@ import torch
 from .sampling import Sampler, SamplingParams, logprob_entry
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (usually all of a: decoding one more token appends)."""
+    if b.startswith(a):
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Sequence:
     def __init__(self, seq_id: int, request_id, prompt_ids: list[int], params: SamplingParams,
                  tokenizer, eos_ids: set[int], context_length: int):
@@ -58,12 +70,15 @@ class Sequence:
     def _update_text_and_finish(self, token: int):
         ends = token in self.eos_ids and not self.params.ignore_eos
         ids = self.output_ids[:-1] if ends else self.output_ids
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        before, self.text = self.text, self.tokenizer.decode(ids, skip_special_tokens=True)
         if ends:
             self.finish_reason = "stop"
             return
+        # No stop occurred in the text before this token, so a new occurrence ends after the part
+        # both texts share: only that tail is scanned (the first occurrence, as a full scan finds).
+        same = _common_prefix(before, self.text)
         for stop in self.params.stop:
-            at = self.text.find(stop)
+            at = self.text.find(stop, max(0, same - len(stop) + 1))
             if at >= 0:
                 self.text = self.text[:at]
                 self.finish_reason = "stop"

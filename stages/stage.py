@@ -6,48 +6,58 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int8 import lookup_rows
-from kernels.linear import linear, torch_threads_for
+from kernels.dense import torch_threads_for
+from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
 
 from .batch import StepBatch, StepContext
-from .loader import ModelFiles
+from .loader import MODES, ModelFiles
 
 
-# --dtype: the activation dtype, and whether weight matrices are held as int8 rows (kernels/int8.py)
-PRECISIONS = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "int8": (torch.float32, True)}
+class StageWeights:
+    """What layer builders read: `w(name)` a tensor of values (float32), `w.matrix(name)` a weight for
+    products in the stage's mode (kernels/weights.py); either with `experts`, a slice of the leading
+    dimension. Counts the bytes it hands out."""
+
+    def __init__(self, model: ModelFiles, shapes: dict, mode: str):
+        self.model, self.shapes, self.mode = model, shapes, mode
+        self.nbytes = 0
+
+    def __call__(self, name: str, experts: range | None = None) -> torch.Tensor:
+        return self._count(self.model.tensor(name, self.shapes[name], experts))
+
+    def matrix(self, name: str, experts: range | None = None):
+        return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts))
+
+    def _count(self, t):
+        self.nbytes += t.nbytes
+        return t
 
 
 class Stage:
-    def __init__(self, model: ModelFiles, layers: range, precision: str = "float32", remote_experts=None):
-        """precision: a key of PRECISIONS. remote_experts(layer, x, ids) -> (slots, rows), when routed
+    def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None):
+        """mode: a key of stages.loader.MODES. remote_experts(layer, x, ids) -> (slots, rows), when routed
         experts live in expert actors."""
+        if mode not in MODES:
+            raise ValueError(f"unknown --dtype {mode!r} (choose from {', '.join(MODES)})")
         self.config = model.config
         self.layers_range = layers
         self.first = layers.start == 0
         self.last = layers.stop == model.n_layers
-        dtype, int8 = PRECISIONS[precision]
-        self.dtype, self.int8 = dtype, int8
+        self.mode = mode
         shapes = model.expected_shapes(layers, self.first, self.last)
-
-        self.weight_bytes = 0
-
-        def w(name, as_dtype=None):
-            t = model.weight(name, shapes[name], as_dtype or dtype, int8=int8 and as_dtype is None)
-            self.weight_bytes += t.nbytes
-            return t
-
-        self.embed = w("token_embd.weight") if "token_embd.weight" in shapes else None
+        w = self.weights = StageWeights(model, shapes, mode)
+        self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
         self.layers = [model.arch.Layer(model.config, w, i, remote_experts) for i in layers]
         if self.last:
             self.norm = w("output_norm.weight")
-            self.head = w("output.weight") if "output.weight" in shapes else self.embed
+            self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
-        return self.weight_bytes
+        return self.weights.nbytes
 
     def _caches_for(self, seq_id: int) -> dict:
         if seq_id not in self.caches:
@@ -66,10 +76,10 @@ class Stage:
 
         Returns hidden states [T, H], or on the last stage float32 logits for batch.logit_rows.
         """
-        x = (lookup_rows(self.embed, batch.token_ids) if self.first else hidden).to(self.dtype)
+        x = lookup_rows(self.embed, batch.token_ids) if self.first else hidden
         ctx = StepContext(batch=batch, positions=batch.positions(),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
-        with torch_threads_for(self.dtype == torch.float32 and not self.int8, batch.n_tokens):
+        with torch_threads_for(batch.n_tokens):
             for layer in self.layers:
                 x = layer(x, ctx)
             # a few attribute reads per sequence and layer: negligible next to the step

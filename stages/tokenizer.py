@@ -6,7 +6,9 @@ pre-tokenizer by a llama.cpp "pre" type, which maps to the split regex below.
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from .errors import ModelFormatError
+from .chat import ChatPrompt
+from .errors import ModelFormatError, RequestError
 
 # llama.cpp's regexes, letter for letter (its engine has no `(?i:)`, hence the explicit classes).
 QWEN35_SPLIT = (
@@ -84,6 +87,8 @@ class Tokenizer:
         specials = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         ends = [eos_token_id, *extra_eos_ids, *(specials[name] for name in END_TOKENS if name in specials)]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in ends if i is not None))
+        self._specials = specials
+        self._plain: tokenizers.Tokenizer | None = None     # encodes special-token strings as text
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -183,11 +188,50 @@ class Tokenizer:
     # --- use -----------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text become their ids."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special tokens written in the text become their ids, except inside the
+        messages of a ChatPrompt, whose text is always encoded as text. RequestError for text that is
+        not valid Unicode (a lone surrogate, which JSON's \\ud800 escapes can produce)."""
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"the text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} "
+                                   f"at character {e.start}") from None
+        ids = self._encode_chat(text) if isinstance(text, ChatPrompt) else self._encode(self.backend, text)
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @staticmethod
+    def _encode(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+        # encode_batch releases the GIL (encode does not), so a server's event loop goes on meanwhile
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        if not self._specials:
+            return self._encode(self.backend, prompt)
+        pattern = re.compile("|".join(re.escape(s) for s in sorted(self._specials, key=len, reverse=True)))
+        protected = prompt.protect(pattern)
+        if protected is None:        # no special-token string in any message
+            return self._encode(self.backend, prompt)
+        if self._plain is None:
+            self._plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            self._plain.encode_special_tokens = True
+        # the template's own special tokens are control tokens; the text between them (message text
+        # with its special strings put back) is encoded as text
+        ids: list[int] = []
+        start = 0
+        for m in pattern.finditer(protected):
+            ids += self._encode(self._plain, prompt.restore(protected[start:m.start()]))
+            ids.append(self._specials[m.group(0)])
+            start = m.end()
+        return ids + self._encode(self._plain, prompt.restore(protected[start:]))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text that one token covers: text of n bytes has at
+        least n / max_token_bytes tokens."""
+        return max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

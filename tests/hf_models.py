@@ -139,12 +139,12 @@ def hf_logprobs(model, ids):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
-def run_one(model_files, prompt, scheduler=None, precision="float32", **params):
+def run_one(model_files, prompt, scheduler=None, mode="float32", **params):
     """One request through the in-process engine (greedy, 1 token unless params say otherwise)."""
     from stages.engine import LocalEngine
     from stages.sampling import SamplingParams
 
-    engine = LocalEngine(model_files, precision=precision, scheduler=scheduler)
+    engine = LocalEngine(model_files, mode=mode, scheduler=scheduler)
     seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
     engine.run_until_done()
     return seq.result()
@@ -169,7 +169,7 @@ def assert_greedy_matches(model_files, oracle, prompt: list[int], n_new: int = 2
     from stages.engine import LocalEngine
     from stages.sampling import SamplingParams
 
-    engine = LocalEngine(model_files)
+    engine = LocalEngine(model_files, mode="float32")
     engine.eos_ids = set()
     seq = engine.add_request("r", prompt, SamplingParams(max_tokens=n_new, temperature=0))
     engine.run_until_done()

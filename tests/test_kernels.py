@@ -8,8 +8,9 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 from kernels.attention import attention
 from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
-from kernels.int8 import Int8Weight, cat_weights, lookup_rows, quantize_rows
-from kernels.linear import linear
+from kernels.int8 import Int8Weight, quantize_rows
+from kernels.linear import linear, lookup_rows
+from kernels.weights import ConcatWeight, cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, run_experts
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, section_ids
 
@@ -156,8 +157,11 @@ def test_int8_rows_quantise_and_multiply_within_their_error():
     # concatenation (fused projections, gate and up of experts) keeps each row's own scale
     cat = cat_weights([q, quantize_rows(torch.randn(3, 8, 64, generator=g))], dim=1)
     assert cat.shape == (3, 48, 64) and torch.equal(cat.q[:, :40], q.q) and torch.equal(cat.scale[:, :40], q.scale)
-    mixed = cat_weights([q[0], torch.randn(2, 64, generator=g)])          # a float row joins in quantised
-    assert isinstance(mixed, Int8Weight) and mixed.shape == (42, 64)
+    # weights of different kinds sit side by side, each computing its own columns
+    dense = torch.randn(2, 64, generator=g)
+    mixed = cat_weights([q[0], dense])
+    assert isinstance(mixed, ConcatWeight) and mixed.shape == (42, 64)
+    assert torch.equal(linear(x, mixed), torch.cat([linear(x, q[0]), linear(x, dense)], -1))
     # the kernel needs the inner size to be a multiple of 16 (measured: others give wrong sums)
     assert quantize_rows(torch.randn(4, 40, generator=g)) is None
     # an int8 embedding table gives its rows dequantised

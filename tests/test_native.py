@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.int8 import Int8Weight, quantize_rows
-from kernels.linear import _few_rows_grouped, grouped_linear, linear
+from kernels.dense import _few_rows_f32
+from kernels.linear import grouped_linear, linear
 from kernels.native import few_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,9 @@ def rows(x, w, threads=None):
     old = torch.get_num_threads()
     torch.set_num_threads(threads or old)
     try:
-        assert _few_rows_grouped(x, w, [(0, 0, x.shape[0])], y, single=True)
+        groups = [(0, 0, x.shape[0])]
+        assert w._few_rows(x, groups, y, single=True) if isinstance(w, Int8Weight) else \
+            _few_rows_f32(x, w, groups, y, single=True)
     finally:
         torch.set_num_threads(old)
     return y

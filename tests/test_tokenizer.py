@@ -8,7 +8,7 @@ import tokenizers
 
 from deploy.tiny_tokenizer import build_tiny_tokenizer
 from stages.errors import ModelFormatError
-from stages.gguf_file import metadata_dict
+from stages.gguf_file import GGUFFile
 from stages.tokenizer import QWEN2_SPLIT, QWEN35_SPLIT, Tokenizer, gguf_tokenizer_fields, write_tokenizer_to_gguf
 
 FAMILIES = {"qwen35moe": "qwen35", "gptoss": "gpt-4o"}  # family -> GGUF pre-type
@@ -45,7 +45,7 @@ def write_gguf(path, tok, pre, vocab_size=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return metadata_dict(gguf.GGUFReader(str(path)))
+    return GGUFFile(str(path)).metadata
 
 
 def test_matches_tokenizers_library(tiny):

@@ -1,0 +1,219 @@
+"""Matrix products computed straight from GGML quantised blocks (kernels/csrc/blocks.c): the
+weights stay in the bytes the GGUF file stores and are unpacked in cache, row by row.
+
+    dequantize_rows     raw rows -> float32, bit for bit as gguf-py's dequantize
+    grouped_product     few activation rows per weight (decode; experts' groups of tokens), in
+                        exact mode (float32) or fast mode (int8 activations, as llama.cpp)
+    many_rows_product   many activation rows (prefill): tiles of dequantised rows times sgemm
+
+The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
+AVX2 or portable C), or for $RAYMOE_MARCH. Results depend neither on the thread count nor on
+the other rows in a call.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from kernels import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "blocks.c"
+# the dequantisation must round as gguf-py's numpy code: no fused multiply-adds
+EXTRA_FLAGS = ("-ffp-contract=off",)
+
+TYPES = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+         T.BF16, T.MXFP4)
+_SIZES = {int(t): GGML_QUANT_SIZES[t] for t in TYPES}  # elements, bytes per block
+
+
+@lru_cache(maxsize=None)
+def load(arch: str | None = None) -> ctypes.CDLL | None:
+    """The library built for -march=arch (default native.march()), or None where it can't be
+    built or loaded here (the reason is logged once)."""
+    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
+        return None
+    cc = native.compiler()
+    if cc is None:
+        log.warning("no C compiler found: no block kernels")
+        return None
+    try:
+        lib = ctypes.CDLL(str(native._build(cc, SOURCE, arch, EXTRA_FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("block kernels unavailable (%s)", e)
+        return None
+    p, i, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.raymoe_blocks_arch.restype = c
+    lib.raymoe_blocks_dequantize.argtypes = [c, p, i, i, p]
+    lib.raymoe_blocks_dequantize.restype = None
+    lib.raymoe_blocks_grouped.argtypes = [c, c, p, i, i, p, i, p, i, i, i, p, i]
+    lib.raymoe_blocks_grouped.restype = c
+    lib.raymoe_blocks_many_rows.argtypes = [p, c, p, i, i, p, i, i, p, i]
+    lib.raymoe_blocks_many_rows.restype = c
+    lib.sgemm = native._numpy_sgemm()
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The library for this machine (built on first use), or None (no compiler, RAYMOE_NATIVE=0)."""
+    return load()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the block kernels are unavailable here (see the log)")
+    return lib
+
+
+def supported(ggml_type: int) -> bool:
+    return int(ggml_type) in _SIZES
+
+
+def _sizes(ggml_type: int) -> tuple[int, int]:
+    if not supported(ggml_type):
+        raise ValueError(f"unsupported GGML type {ggml_type}")
+    return _SIZES[int(ggml_type)]
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of k elements."""
+    elems, size = _sizes(ggml_type)
+    if k <= 0 or k % elems:
+        raise ValueError(f"{T(ggml_type).name} rows need a positive multiple of {elems} elements, got {k}")
+    return k // elems * size
+
+
+def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
+    if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
+        raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+    if raw.shape[-1] != row_bytes(ggml_type, k):
+        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {row_bytes(ggml_type, k)} for "
+                         f"{T(ggml_type).name} with k={k}")
+
+
+def _check_rows(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
+    """A float32 CPU matrix whose last dimension is contiguous (any row stride)."""
+    if (t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != cols
+            or (rows is not None and t.shape[0] != rows) or (t.shape[1] > 1 and t.stride(1) != 1)
+            or t.stride(0) < 1):
+        raise ValueError(f"{name} must be float32 [{rows if rows is not None else 'M'}, {cols}] with a "
+                         f"contiguous last dimension, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """raw uint8 [N, row_bytes] -> float32 [N, k], bit-exact against gguf.quants.dequantize."""
+    _check_raw(raw, ggml_type, k, 2)
+    n = raw.shape[0]
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{n}, {k}], got {out.dtype} {tuple(out.shape)}")
+    if n:
+        _lib().raymoe_blocks_dequantize(int(ggml_type), raw.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def _status(code: int) -> None:
+    if code:
+        raise MemoryError("the block kernels could not allocate their buffers")
+
+
+def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, groups: list[tuple[int, int, int]],
+                    out: torch.Tensor, quantize_activations: bool) -> None:
+    """For each (g, a, b) in groups: out[a:b] = x[a:b] @ deq(raw[g]).T.
+
+    x float32 [M, k], raw uint8 [G, N, row_bytes], out float32 [M, N] (last dimensions
+    contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
+    products); otherwise float32 activations times the exact weights. Float weights are always
+    multiplied exactly."""
+    _check_raw(raw, ggml_type, k, 3)
+    _check_rows(x, "x", None, k)
+    g_count, n = raw.shape[0], raw.shape[1]
+    m = x.shape[0]
+    _check_rows(out, "out", m, n)
+    for g, a, b in groups:
+        if not (0 <= g < g_count and 0 <= a <= b <= m):
+            raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
+    groups = [(g, a, b) for g, a, b in groups if b > a]
+    if not groups or n == 0:
+        return
+    table = torch.tensor(groups, dtype=torch.int64)
+    _status(_lib().raymoe_blocks_grouped(int(ggml_type), int(bool(quantize_activations)), x.data_ptr(), m,
+                                         x.stride(0), raw.data_ptr(), raw.stride(0), table.data_ptr(), len(groups),
+                                         n, k, out.data_ptr(), out.stride(0)))
+
+
+def many_rows_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor) -> None:
+    """out = x @ deq(raw).T for many rows of x (prefill), exact float32: x [M, k], raw uint8
+    [N, row_bytes], out [M, N] (last dimensions contiguous)."""
+    _check_raw(raw, ggml_type, k, 2)
+    _check_rows(x, "x", None, k)
+    m, n = x.shape[0], raw.shape[0]
+    _check_rows(out, "out", m, n)
+    if m == 0 or n == 0:
+        return
+    lib = _lib()
+    _status(lib.raymoe_blocks_many_rows(lib.sgemm, int(ggml_type), x.data_ptr(), m, x.stride(0), raw.data_ptr(),
+                                        n, k, out.data_ptr(), out.stride(0)))
+
+
+def benchmark(megabytes: int = 64, threads: int = 2, repeats: int = 5) -> dict[str, float]:
+    """GB/s of weight bytes streamed by a 1-row fast product over a weight of about `megabytes`
+    MB per type (Q4_K, Q8_0, MXFP4), and by numpy's float32 matrix-vector product, best of
+    `repeats`; printed and returned."""
+    import numpy as np
+
+    torch.set_num_threads(threads)
+    k = 4096
+    results = {}
+    for t in (T.Q4_K, T.Q8_0, T.MXFP4):
+        n = megabytes * 2**20 // row_bytes(t, k)
+        raw = _random_weight(t, n, k)
+        x, out = torch.randn(1, k), torch.empty(1, n)
+        results[t.name] = raw.numel() / _best(lambda: grouped_product(x, raw, t, k, [(0, 0, 1)], out, True), repeats)
+        raw = raw[0]
+        results[t.name + " exact"] = raw.numel() / _best(
+            lambda: grouped_product(x, raw[None], t, k, [(0, 0, 1)], out, False), repeats)
+    w = np.random.default_rng(0).standard_normal((megabytes * 2**20 // (4 * k), k), dtype=np.float32)
+    v = np.random.default_rng(1).standard_normal((1, k), dtype=np.float32)
+    results["numpy float32"] = w.nbytes / _best(lambda: v @ w.T, repeats)
+    for name, rate in results.items():
+        print(f"{name:>16}: {rate / 1e9:6.1f} GB/s")
+    return results
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _random_weight(t: T, n: int, k: int) -> torch.Tensor:
+    """[1, n, row_bytes] random blocks of type t with small finite scales (for benchmarks)."""
+    elems, size = _SIZES[int(t)]
+    raw = torch.randint(0, 256, (n * k // elems, size), dtype=torch.uint8)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    offsets = {T.Q4_K: (0, 2), T.Q8_0: (0,)}.get(t, ())
+    for o in offsets:
+        raw[:, o:o + 2] = scale
+    if t == T.MXFP4:
+        raw[:, 0] = 120
+    return raw.view(1, n, -1)
+
+
+if __name__ == "__main__":
+    benchmark()

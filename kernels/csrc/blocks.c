@@ -1,0 +1,826 @@
+/* Matrix products read straight from GGML quantised blocks (the bytes a GGUF file stores).
+ *
+ * y[i, r] = x[i] . w[r], with w[r] one weight row of blocks. Two ways to multiply:
+ *   exact: the row is dequantised (bit for bit as gguf-py does) into a float buffer in cache and
+ *          multiplied with float32 accumulation.
+ *   fast:  as llama.cpp: each activation block is quantised to int8 (Q8_K: 256 values with sums
+ *          per 16, for K-quants; Q8_0: 32 values otherwise), the weight row is unpacked to
+ *          unsigned bytes u with w = dw * sc * (u - off) - dm * mn (per block / sub-block), and
+ *          the products are integer dot products summed in int32, scaled per block in float.
+ *
+ * Every output is computed by one thread, one weight row at a time, in a fixed order: results
+ * depend neither on the thread count nor on which other rows are in the call. Each weight row
+ * is read from memory once per call, whatever the number of activation rows.
+ *
+ * Built with -march=native on the machine that runs it (and -ffp-contract=off, so the
+ * dequantisation rounds exactly as gguf-py's numpy code): AVX-512 VNNI, AVX2 or portable C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define ARCH 2
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ARCH 1
+#include <immintrin.h>
+#else
+#define ARCH 0
+#endif
+
+/* 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable C: which code paths this build uses. */
+int raymoe_blocks_arch(void) { return ARCH; }
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+       Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
+
+#define QK 256            /* elements of a K-quant super-block */
+#define NR 4              /* weight rows per parallel work item */
+#define TILE 64           /* weight rows dequantised at once for many-row products */
+/* Far enough ahead in the weight stream that the lines arrive before use (few_rows.c measured
+ * 4-16 KB best here; the hardware prefetcher alone is slower). */
+#define PREFETCH_BYTES 8192
+
+static int block_elems(int t) {
+    switch (t) {
+    case F32: case F16: case BF16: return 1;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return QK;
+    default: return 32;
+    }
+}
+
+static int block_bytes(int t) {
+    switch (t) {
+    case F32: return 4;
+    case F16: case BF16: return 2;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    case MXFP4: return 17;
+    default: return 0;
+    }
+}
+
+static int is_k_quant(int t) { return block_elems(t) == QK; }
+static int is_float(int t) { return block_elems(t) == 1; }
+
+/* ---- scalars ------------------------------------------------------------------------------ */
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline float from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* IEEE half to float, exact (subnormals, infinities and NaN included). */
+static inline float f16(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1f) return from_bits(sign | 0x7f800000u | man << 13);
+    if (exp) return from_bits(sign | (exp + 112) << 23 | man << 13);
+    if (!man) return from_bits(sign);
+    uint32_t e = 113; /* subnormal: shift the leading one up to the implicit bit */
+    while (!(man & 0x400u)) {
+        man <<= 1;
+        e--;
+    }
+    return from_bits(sign | e << 23 | (man & 0x3ffu) << 13);
+}
+
+/* e8m0 scale halved (MXFP4 values are stored doubled). */
+static inline float e8m0_half(uint8_t e) { return from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Q3_K's 16 six-bit scales, 32 subtracted. */
+static inline void q3_k_scales(const uint8_t *s, int *sc) {
+    for (int j = 0; j < 16; j++) {
+        const int lo = (s[j % 8] >> (4 * (j / 8))) & 15, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        sc[j] = (lo | hi << 4) - 32;
+    }
+}
+
+/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes. */
+static inline void k_scale_min(const uint8_t *s, int *sc, int *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | (s[j] >> 6) << 4;
+        mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+    }
+}
+
+/* Element e of a Q2_K/Q3_K super-block: 2 bits of qs byte 32 * (e / 128) + e % 32, pair (e / 32) % 4. */
+static inline int two_bits(const uint8_t *qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3; }
+
+/* Element e of a Q6_K super-block, 0..63. */
+static inline int q6_value(const uint8_t *b, int e) {
+    const int h = e / 128, i = e % 128;
+    const int lo = (b[64 * h + i % 64] >> (4 * (i / 64))) & 15;
+    const int hi = (b[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 3;
+    return lo | hi << 4;
+}
+
+/* ---- fast mode: activations quantised to int8 blocks -------------------------------------- */
+
+typedef struct {
+    int8_t *q;      /* [m][k] */
+    float *d;       /* [m][nb]: scale of each block (zero padded) */
+    float *ds;      /* [m][nb]: d * sum of the block's q (the term of a weight's constant part) */
+    int32_t *corr;  /* [m][nb]: -off * sum of the block's q (offset of the unsigned weight bytes) */
+    int16_t *bsum;  /* [m][k / 16]: sum of q per 16 */
+    int64_t nb;     /* blocks per row, rounded up to even (the VNNI path reads blocks in pairs) */
+} quantized_x;
+
+/* round to nearest, ties to even, for |v| < 2^22 (what the default rounding mode gives) */
+static inline int round_even(float v) { return (int)((v + 12582912.0f) - 12582912.0f); }
+
+/* Row x of k values to int8 blocks of qb: d = amax / 127, q = round(x / d), |x - d q| <= d / 2. */
+static void quantize_row(const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row) {
+    int8_t *q = xq->q + row * k;
+    const int64_t nb = xq->nb;
+    for (int64_t b = 0; b < nb; b++) {
+        float *d = xq->d + row * nb + b, *ds = xq->ds + row * nb + b;
+        int32_t *corr = xq->corr + row * nb + b;
+        if (b * qb >= k) { /* padding */
+            *d = *ds = 0.0f;
+            *corr = 0;
+            continue;
+        }
+        const float *v = x + b * qb;
+        float amax = 0.0f;
+        for (int i = 0; i < qb; i++) amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < qb; i++) {
+            int r = round_even(v[i] * inv);
+            r = r > 127 ? 127 : r < -127 ? -127 : r;
+            q[b * qb + i] = (int8_t)r;
+            sum += r;
+        }
+        *d = amax / 127.0f;
+        *ds = *d * (float)sum;
+        *corr = -off * sum;
+        for (int s = 0; s < qb / 16; s++) {
+            int bs = 0;
+            for (int i = 0; i < 16; i++) bs += q[b * qb + 16 * s + i];
+            xq->bsum[row * (k / 16) + b * (qb / 16) + s] = (int16_t)bs;
+        }
+    }
+}
+
+/* -- 32-element types: a row unpacked to u (bytes), w = dw * (u - off) + dm per block -------- */
+
+typedef struct {
+    uint8_t *u;  /* [k + 64] */
+    float *dw;   /* [nb] (zero padded) */
+    float *dm;   /* [nb] */
+} row_a;
+
+static int offset_a(int t) {
+    switch (t) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    case Q8_0: return 128;
+    case MXFP4: return 12;
+    default: return 0;
+    }
+}
+
+static int has_min_a(int t) { return t == Q4_1 || t == Q5_1; }
+
+#if ARCH >= 1
+/* The bytes of the main 32-block types with SSE, 0 where the type has no such path. */
+static inline int unpack_block_a_simd(int t, const uint8_t *p, uint8_t *u, float *dw) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (t) {
+    case Q8_0:
+        *dw = f16(rd16(p));
+        _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
+                                                           _mm256_set1_epi8((char)0x80)));
+        return 1;
+    case MXFP4: {
+        const __m128i values = _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + 1));
+        *dw = e8m0_half(p[0]);
+        _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(values, _mm_and_si128(q, m4)));
+        _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+        return 1;
+    }
+    case Q4_0: {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + 2));
+        *dw = f16(rd16(p));
+        _mm_storeu_si128((__m128i *)u, _mm_and_si128(q, m4));
+        _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+        return 1;
+    }
+    }
+    return 0;
+}
+#endif
+
+/* One 32-block: its bytes u, scale dw and min dm. */
+static void unpack_block_a(int t, const uint8_t *p, uint8_t *u, float *dw, float *dm) {
+    *dm = 0.0f;
+#if ARCH >= 1
+    if (unpack_block_a_simd(t, p, u, dw)) return;
+#endif
+    switch (t) {
+    case Q8_0:
+        *dw = f16(rd16(p));
+        for (int i = 0; i < 32; i++) u[i] = p[2 + i] ^ 0x80; /* w + 128 */
+        break;
+    case Q4_0: case Q4_1: {
+        const uint8_t *qs = p + (t == Q4_0 ? 2 : 4);
+        *dw = f16(rd16(p));
+        if (t == Q4_1) *dm = f16(rd16(p + 2));
+        for (int i = 0; i < 16; i++) {
+            u[i] = qs[i] & 15;
+            u[i + 16] = qs[i] >> 4;
+        }
+    } break;
+    case Q5_0: case Q5_1: {
+        const uint8_t *qs = p + (t == Q5_0 ? 6 : 8);
+        const uint32_t qh = rd32(p + (t == Q5_0 ? 2 : 4));
+        *dw = f16(rd16(p));
+        if (t == Q5_1) *dm = f16(rd16(p + 2));
+        for (int i = 0; i < 16; i++) {
+            u[i] = (uint8_t)((qs[i] & 15) | ((qh >> i) & 1) << 4);
+            u[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+        }
+    } break;
+    case MXFP4:
+        *dw = e8m0_half(p[0]);
+        for (int i = 0; i < 16; i++) {
+            u[i] = (uint8_t)(MXFP4_VALUES[p[1 + i] & 15] + 12);
+            u[i + 16] = (uint8_t)(MXFP4_VALUES[p[1 + i] >> 4] + 12);
+        }
+        break;
+    }
+}
+
+static void unpack_row_a(int t, const uint8_t *raw, int64_t k, row_a *w) {
+    const int bb = block_bytes(t);
+    for (int64_t o = 0; o < k / 32 * bb; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
+    for (int64_t b = 0; b < k / 32; b++) unpack_block_a(t, raw + b * bb, w->u + 32 * b, w->dw + b, w->dm + b);
+}
+
+/* -- K-quants: a super-block unpacked to u, w = dw * sc * (u - off) - dm * mn per 16 ---------- */
+
+typedef struct {
+    uint8_t u[QK];
+    int16_t scx[QK / 2];   /* sc of each pair of elements (lined up with maddubs' int16 lanes) */
+    int16_t offsc[16];     /* -off * sc per 16 */
+    int16_t mn[16];        /* min per 16 */
+    float dw, dm;
+    int32_t off;
+    uint8_t pad[52];       /* 640 bytes: whole cache lines */
+} block_k;
+
+static void finish_k(block_k *c, const int *sc, int off) {
+    c->off = off;
+    for (int s = 0; s < 16; s++) {
+        c->offsc[s] = (int16_t)(-off * sc[s]);
+        for (int i = 0; i < 8; i++) c->scx[8 * s + i] = (int16_t)sc[s];
+    }
+}
+
+#if ARCH == 2
+static const int16_t LANES[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                  16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+
+/* finish_k from the 16 scales sc and mins mn as int16 lanes. */
+static inline void finish_k_simd(block_k *c, __m256i sc, __m256i mn, int off) {
+    c->off = off;
+    const __m512i lanes = _mm512_loadu_si512(LANES), s = _mm512_castsi256_si512(sc);
+    for (int j = 0; j < 4; j++) {
+        const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lanes, 3), _mm512_set1_epi16((short)(4 * j)));
+        _mm512_store_si512(c->scx + 32 * j, _mm512_permutexvar_epi16(idx, s));
+    }
+    _mm256_store_si256((__m256i *)c->offsc, _mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-off)));
+    _mm256_store_si256((__m256i *)c->mn, mn);
+}
+
+/* u = the two bits of each byte of q at shift, plus 4 h (Q3_K) or the high nibble (Q6_K) */
+static inline __m256i bits(__m256i q, int shift, __m256i mask) { return _mm256_and_si256(_mm256_srli_epi16(q, shift), mask); }
+
+/* The main K-quants with AVX-512; 0 where the type has no such path. */
+static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    switch (t) {
+    case Q4_K: {
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+            _mm256_store_si256((__m256i *)(c->u + 64 * j), _mm256_and_si256(q, m4));
+            _mm256_store_si256((__m256i *)(c->u + 64 * j + 32), bits(q, 4, m4));
+        }
+        /* the 6-bit scales and mins, four bytes at a time: scales 0-3, 4-7, mins 0-3, 4-7 */
+        uint32_t x[3], a[4];
+        memcpy(x, b + 4, 12);
+        a[0] = x[0] & 0x3f3f3f3fu;
+        a[1] = (x[2] & 0x0f0f0f0fu) | ((x[0] >> 6) & 0x03030303u) << 4;
+        a[2] = x[1] & 0x3f3f3f3fu;
+        a[3] = ((x[2] >> 4) & 0x0f0f0f0fu) | ((x[1] >> 6) & 0x03030303u) << 4;
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a));
+        const __m256i half = _mm256_srli_epi16(_mm512_castsi512_si256(_mm512_loadu_si512(LANES)), 1);
+        c->dw = f16(rd16(b));
+        c->dm = f16(rd16(b + 2));
+        finish_k_simd(c, _mm256_permutexvar_epi16(half, v),
+                      _mm256_permutexvar_epi16(_mm256_add_epi16(half, _mm256_set1_epi16(8)), v), 0);
+        return 1;
+    }
+    case Q6_K:
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i hq = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            uint8_t *u = c->u + 128 * h;
+            _mm256_store_si256((__m256i *)u, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(bits(hq, 0, m2), 4)));
+            _mm256_store_si256((__m256i *)(u + 32), _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(bits(hq, 2, m2), 4)));
+            _mm256_store_si256((__m256i *)(u + 64), _mm256_or_si256(bits(l0, 4, m4), _mm256_slli_epi16(bits(hq, 4, m2), 4)));
+            _mm256_store_si256((__m256i *)(u + 96), _mm256_or_si256(bits(l1, 4, m4), _mm256_slli_epi16(bits(hq, 6, m2), 4)));
+        }
+        c->dw = f16(rd16(b + 208));
+        c->dm = 0.0f;
+        finish_k_simd(c, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))), _mm256_setzero_si256(), 32);
+        return 1;
+    case Q3_K: {
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+            for (int j = 0; j < 4; j++)
+                _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * j),
+                                   _mm256_or_si256(bits(q, 2 * j, m2), _mm256_slli_epi16(bits(hm, 4 * h + j, m1), 2)));
+        }
+        /* 16 six-bit scales: low nibbles from bytes 0-7, high pairs from bytes 8-11 */
+        uint32_t x[3], a[4];
+        memcpy(x, b + 96, 12);
+        a[0] = (x[0] & 0x0f0f0f0fu) | (x[2] & 0x03030303u) << 4;
+        a[1] = (x[1] & 0x0f0f0f0fu) | ((x[2] >> 2) & 0x03030303u) << 4;
+        a[2] = ((x[0] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 4) & 0x03030303u) << 4;
+        a[3] = ((x[1] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 6) & 0x03030303u) << 4;
+        const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a)), _mm256_set1_epi16(32));
+        c->dw = f16(rd16(b + 108));
+        c->dm = 0.0f;
+        finish_k_simd(c, sc, _mm256_setzero_si256(), 4);
+        return 1;
+    }
+    }
+    return 0;
+}
+#endif
+
+static void unpack_block_k(int t, const uint8_t *b, block_k *c) {
+    int sc[16];
+#if ARCH == 2
+    if (unpack_block_k_simd(t, b, c)) return;
+#endif
+    switch (t) {
+    case Q2_K:
+        c->dw = f16(rd16(b + 80));
+        c->dm = f16(rd16(b + 82));
+        for (int e = 0; e < QK; e++) c->u[e] = (uint8_t)two_bits(b + 16, e);
+        for (int s = 0; s < 16; s++) {
+            sc[s] = b[s] & 15;
+            c->mn[s] = b[s] >> 4;
+        }
+        finish_k(c, sc, 0);
+        break;
+    case Q3_K: /* q - 4 (1 - h) + 4 = q + 4 h */
+        c->dw = f16(rd16(b + 108));
+        c->dm = 0.0f;
+        for (int e = 0; e < QK; e++) c->u[e] = (uint8_t)(two_bits(b + 32, e) + 4 * ((b[e % 32] >> (e / 32)) & 1));
+        q3_k_scales(b + 96, sc);
+        memset(c->mn, 0, sizeof c->mn);
+        finish_k(c, sc, 4);
+        break;
+    case Q4_K: case Q5_K: {
+        const uint8_t *qs = b + (t == Q4_K ? 16 : 48);
+        int s8[8], m8[8];
+        c->dw = f16(rd16(b));
+        c->dm = f16(rd16(b + 2));
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 32; i++) c->u[32 * j + i] = (qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 15;
+        if (t == Q5_K)
+            for (int j = 0; j < 8; j++)
+                for (int i = 0; i < 32; i++) c->u[32 * j + i] |= ((b[16 + i] >> j) & 1) << 4;
+        k_scale_min(b + 4, s8, m8);
+        for (int s = 0; s < 16; s++) {
+            sc[s] = s8[s / 2];
+            c->mn[s] = (int16_t)m8[s / 2];
+        }
+        finish_k(c, sc, 0);
+    } break;
+    case Q6_K:
+        c->dw = f16(rd16(b + 208));
+        c->dm = 0.0f;
+        for (int e = 0; e < QK; e++) c->u[e] = (uint8_t)q6_value(b, e);
+        for (int s = 0; s < 16; s++) sc[s] = (int8_t)b[192 + s];
+        memset(c->mn, 0, sizeof c->mn);
+        finish_k(c, sc, 32);
+        break;
+    }
+}
+
+static void unpack_row_k(int t, const uint8_t *raw, int64_t k, block_k *c) {
+    const int bb = block_bytes(t);
+    for (int64_t o = 0; o < k / QK * bb; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
+    for (int64_t b = 0; b < k / QK; b++) unpack_block_k(t, raw + b * bb, c + b);
+}
+
+/* ---- exact dequantisation, rounding as gguf-py: from the unpacked bytes ---------------------- */
+
+/* w = (dw * sc) * (u - off) - dm * mn, per 16 (gguf-py's order of operations for every K-quant;
+ * subtracting +0 where there are no mins changes nothing, -0 included). */
+static void deq_block_k(const block_k *c, float *y) {
+    for (int s = 0; s < 16; s++) {
+        const float dl = c->dw * (float)c->scx[8 * s], ml = c->dm * (float)c->mn[s];
+        for (int i = 0; i < 16; i++) y[16 * s + i] = dl * (float)(c->u[16 * s + i] - c->off) - ml;
+    }
+}
+
+/* One row of k elements: raw blocks -> y. Warms the cache PREFETCH_BYTES ahead in the stream. */
+static void deq_row(int t, const uint8_t *raw, int64_t k, float *y) {
+    const int be = block_elems(t), bb = block_bytes(t);
+    const int64_t bytes = k / be * bb;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
+    switch (t) {
+    case F32: memcpy(y, raw, (size_t)k * 4); return;
+    case F16: {
+        int64_t i = 0;
+#if ARCH >= 1 && defined(__F16C__)
+        for (; i + 8 <= k; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(raw + 2 * i))));
+#endif
+        for (; i < k; i++) y[i] = f16(rd16(raw + 2 * i));
+        return;
+    }
+    case BF16:
+        for (int64_t i = 0; i < k; i++) y[i] = from_bits((uint32_t)rd16(raw + 2 * i) << 16);
+        return;
+    }
+    if (be == QK) {
+        block_k c __attribute__((aligned(64)));
+        for (int64_t b = 0; b < k / QK; b++) {
+            unpack_block_k(t, raw + b * bb, &c);
+            deq_block_k(&c, y + b * QK);
+        }
+        return;
+    }
+    const int off = offset_a(t);
+    for (int64_t b = 0; b < k / 32; b++) {
+        uint8_t u[32];
+        float dw, dm;
+        unpack_block_a(t, raw + b * bb, u, &dw, &dm);
+        /* d * (q - off), then + m for the types with one (adding +0 would turn -0 into +0) */
+        for (int i = 0; i < 32; i++) y[32 * b + i] = dw * (float)(u[i] - off);
+        if (has_min_a(t))
+            for (int i = 0; i < 32; i++) y[32 * b + i] = y[32 * b + i] + dm;
+    }
+}
+
+/* ---- dot products, one per code path ------------------------------------------------------ */
+#if ARCH == 2
+
+static float dot_f32(const float *x, const float *w, int64_t k) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(w + i + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(w + i + 48), a3);
+    }
+    for (; i < k; i += 16) {
+        const __mmask16 mask = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i), _mm512_maskz_loadu_ps(mask, w + i), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* Two 32-blocks per step: dpbusd's lanes 0-7 sum block 2c, lanes 8-15 block 2c + 1; the offset
+ * correction -off * sum(q) enters through lanes 0 and 8, so the integer sums stay exact. */
+static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const float *d = xq->d + row * nb;
+    const int32_t *corr = xq->corr + row * nb;
+    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 mask = k - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (k - i)) - 1;
+        const int64_t b = i / 32;
+        const __m512i c = _mm512_maskz_expandloadu_epi32(0x0101, corr + b);
+        const __m512i s = _mm512_dpbusd_epi32(c, _mm512_maskz_loadu_epi8(mask, w->u + i), _mm512_maskz_loadu_epi8(mask, q + i));
+        const __m128 scale = _mm_mul_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(w->dw + b))),
+                                        _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d + b))));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(scale)), acc);
+    }
+    float sum = _mm512_reduce_add_ps(acc);
+    if (has_min_a(t))
+        for (int64_t b = 0; b < k / 32; b++) sum += w->dm[b] * xq->ds[row * nb + b];
+    return sum;
+}
+
+/* Per super-block: maddubs pairs u * q into int16, dpwssd scales them per 16 into int32; the
+ * offset -off * sc * bsum and the mins mn * bsum are int16 dot products with the block sums. */
+static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const int16_t *bsum = xq->bsum + row * (k / 16);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+        for (int c = 0; c < 4; c += 2) {
+            const __m512i p0 = _mm512_maddubs_epi16(_mm512_load_si512(w->u + 64 * c), _mm512_loadu_si512(q + 64 * c));
+            const __m512i p1 = _mm512_maddubs_epi16(_mm512_load_si512(w->u + 64 * c + 64), _mm512_loadu_si512(q + 64 * c + 64));
+            s0 = _mm512_dpwssd_epi32(s0, p0, _mm512_load_si512(w->scx + 32 * c));
+            s1 = _mm512_dpwssd_epi32(s1, p1, _mm512_load_si512(w->scx + 32 * c + 32));
+        }
+        const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)bsum));
+        s0 = _mm512_dpwssd_epi32(s0, bs, _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)w->offsc)));
+        const __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs,
+                                                 _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)w->mn)));
+        const float dx = xq->d[row * nb + b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(w->dw * dx), acc);
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(w->dm * dx), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#elif ARCH == 1
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static float dot_f32(const float *x, const float *w, int64_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), a3);
+    }
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+    float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < k; i++) sum += x[i] * w[i];
+    return sum;
+}
+
+/* Per 32-block: signed weights u - off (all fit int8); maddubs takes |w| and q with w's sign,
+ * whose pair sums stay under int16's limit (128 * 127 * 2). */
+static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const float *d = xq->d + row * nb;
+    const __m256i off = _mm256_set1_epi8((char)offset_a(t)), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m256i ws = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(w->u + 32 * b)), off);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(w->dw[b] * d[b]), acc);
+    }
+    float sum = hsum8(acc);
+    if (has_min_a(t))
+        for (int64_t b = 0; b < k / 32; b++) sum += w->dm[b] * xq->ds[row * nb + b];
+    return sum;
+}
+
+static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const int16_t *bsum = xq->bsum + row * (k / 16);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        for (int c = 0; c < 8; c += 2) {
+            const __m256i p0 = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(w->u + 32 * c)),
+                                                    _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+            const __m256i p1 = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(w->u + 32 * c + 32)),
+                                                    _mm256_loadu_si256((const __m256i *)(q + 32 * c + 32)));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, _mm256_load_si256((const __m256i *)(w->scx + 16 * c))));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, _mm256_load_si256((const __m256i *)(w->scx + 16 * c + 16))));
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)bsum);
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(bs, _mm256_load_si256((const __m256i *)w->offsc)));
+        const __m256i mins = _mm256_madd_epi16(bs, _mm256_load_si256((const __m256i *)w->mn));
+        const float dx = xq->d[row * nb + b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(w->dw * dx), acc);
+        acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(w->dm * dx), acc);
+    }
+    return hsum8(acc);
+}
+
+#else
+
+static float dot_f32(const float *x, const float *w, int64_t k) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += x[i + l] * w[i + l];
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < k; i++) sum += x[i] * w[i];
+    return sum;
+}
+
+static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const int off = offset_a(t);
+    float sum = 0.0f;
+    for (int64_t b = 0; b < k / 32; b++) {
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += (w->u[32 * b + i] - off) * q[32 * b + i];
+        sum += w->dw[b] * xq->d[row * nb + b] * (float)s;
+    }
+    if (has_min_a(t))
+        for (int64_t b = 0; b < k / 32; b++) sum += w->dm[b] * xq->ds[row * nb + b];
+    return sum;
+}
+
+static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
+    const int64_t nb = xq->nb;
+    const int8_t *q = xq->q + row * k;
+    const int16_t *bsum = xq->bsum + row * (k / 16);
+    float sum = 0.0f;
+    for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
+        int s = 0, m = 0;
+        for (int j = 0; j < 16; j++) {
+            int p = 0;
+            for (int i = 0; i < 16; i++) p += w->u[16 * j + i] * q[16 * j + i];
+            s += w->scx[8 * j] * p + w->offsc[j] * bsum[j];
+            m += w->mn[j] * bsum[j];
+        }
+        const float dx = xq->d[row * nb + b];
+        sum += w->dw * dx * (float)s - w->dm * dx * (float)m;
+    }
+    return sum;
+}
+
+#endif
+
+/* ---- entry points ------------------------------------------------------------------------- */
+
+/* Dequantise n rows of k elements (raw row-major, row_bytes apart) to y [n, k]. */
+void raymoe_blocks_dequantize(int t, const uint8_t *raw, int64_t n, int64_t k, float *y) {
+    const int64_t row_bytes = k / block_elems(t) * block_bytes(t);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) deq_row(t, raw + r * row_bytes, k, y + r * k);
+}
+
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* The activation quantisation buffers for m rows (NULL members when out of memory). */
+static quantized_x alloc_x(int64_t m, int64_t k, int qb) {
+    quantized_x xq;
+    xq.nb = (k / qb + 1) / 2 * 2;
+    xq.q = alloc64((size_t)(m * k));
+    xq.d = alloc64((size_t)(m * xq.nb) * sizeof(float));
+    xq.ds = alloc64((size_t)(m * xq.nb) * sizeof(float));
+    xq.corr = alloc64((size_t)(m * xq.nb) * sizeof(int32_t));
+    xq.bsum = alloc64((size_t)(m * (k / 16)) * sizeof(int16_t) + 64);
+    return xq;
+}
+
+static void free_x(quantized_x *xq) {
+    free(xq->q);
+    free(xq->d);
+    free(xq->ds);
+    free(xq->corr);
+    free(xq->bsum);
+}
+
+/* For each group (g, a, b) in groups[0 .. 3 count): rows a..b of y = rows a..b of x times the
+ * transpose of weight g, raw + g * w_stride ([n rows of k], row after row). x is [m, k] with row
+ * stride ldx, y has row stride ldy. quantize: the fast (int8 activations) mode, ignored for
+ * float weights. One parallel loop over every (group, NR weight rows). Returns 0, or -1 when
+ * out of memory. */
+int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_t ldx, const uint8_t *raw,
+                          int64_t w_stride, const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y,
+                          int64_t ldy) {
+    const int mode = is_float(t) || !quantize ? 0 : is_k_quant(t) ? 2 : 1;
+    const int64_t row_bytes = k / block_elems(t) * block_bytes(t), blocks = (n + NR - 1) / NR;
+    quantized_x xq = {0};
+    if (mode) {
+        xq = alloc_x(m, k, mode == 2 ? QK : 32);
+        if (!xq.q || !xq.d || !xq.ds || !xq.corr || !xq.bsum) {
+            free_x(&xq);
+            return -1;
+        }
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* this thread's unpacked weight row: floats, 32-block bytes and scales, or super-blocks */
+        void *buffer = mode == 0 ? alloc64((size_t)k * sizeof(float))
+                     : mode == 1 ? alloc64((size_t)(k + 64) + 2 * (size_t)xq.nb * sizeof(float))
+                                 : alloc64((size_t)(k / QK) * sizeof(block_k));
+        row_a wa = {0};
+        if (buffer && mode == 1) {
+            wa.u = buffer;
+            wa.dw = (float *)(wa.u + k + 64);
+            wa.dm = wa.dw + xq.nb;
+            memset(wa.u, 0, (size_t)(k + 64) + 2 * (size_t)xq.nb * sizeof(float));
+        }
+        if (mode) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++)
+                quantize_row(x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < count * blocks; item++) {
+            if (!buffer) {
+                failed = 1;
+                continue;
+            }
+            const int64_t *group = groups + 3 * (item / blocks);
+            const int64_t r0 = item % blocks * NR, r1 = r0 + NR < n ? r0 + NR : n;
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *w = raw + group[0] * w_stride + r * row_bytes;
+                if (mode == 0) {
+                    const float *wf = (const float *)w;
+                    if (t != F32) {
+                        deq_row(t, w, k, buffer);
+                        wf = buffer;
+                    } else {
+                        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(w + o + PREFETCH_BYTES);
+                    }
+                    for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_f32(x + i * ldx, wf, k);
+                } else if (mode == 1) {
+                    unpack_row_a(t, w, k, &wa);
+                    for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_a(t, &wa, &xq, i, k);
+                } else {
+                    unpack_row_k(t, w, k, buffer);
+                    for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_k(buffer, &xq, i, k);
+                }
+            }
+        }
+        free(buffer);
+    }
+    free_x(&xq);
+    return failed ? -1 : 0;
+}
+
+typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int64_t m, int64_t n, int64_t k, float alpha,
+                               const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                               int64_t ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* y [m, n] = x [m, k] times the transpose of raw ([n rows of k]), for many rows of x: TILE
+ * weight rows at a time are dequantised into this thread's buffer (in cache) and multiplied by
+ * sgemm (a 64-bit-integer cblas_sgemm set to one thread, such as numpy's OpenBLAS), or by
+ * dot products when sgemm is NULL. Tiles are fixed by n, so a result does not depend on the
+ * thread count. Returns 0, or -1 when out of memory. */
+int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64_t ldx, const uint8_t *raw,
+                            int64_t n, int64_t k, float *y, int64_t ldy) {
+    const cblas_sgemm_fn gemm = (cblas_sgemm_fn)sgemm;
+    const int64_t row_bytes = k / block_elems(t) * block_bytes(t), tiles = (n + TILE - 1) / TILE;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *buffer = alloc64((size_t)(TILE * k) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (!buffer) {
+                failed = 1;
+                continue;
+            }
+            const int64_t r0 = tile * TILE, nr = n - r0 < TILE ? n - r0 : TILE;
+            for (int64_t r = 0; r < nr; r++) deq_row(t, raw + (r0 + r) * row_bytes, k, buffer + r * k);
+            if (gemm)
+                gemm(ROW_MAJOR, NO_TRANS, TRANS, m, nr, k, 1.0f, x, ldx, buffer, k, 0.0f, y + r0, ldy);
+            else
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t r = 0; r < nr; r++) y[i * ldy + r0 + r] = dot_f32(x + i * ldx, buffer + r * k, k);
+        }
+        free(buffer);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,194 @@
+"""Weight matrices in their storage format, behind one interface.
+
+Model code never asks how a weight is stored. Every kind answers the same calls:
+
+- `linear(x, out)`: `out = x W^T` for x [T, K] and a weight [N, K];
+- `grouped(x, groups, out)`: rows a:b of x through weight g, for each (g, a, b), of a stack [G, N, K]
+  (the tokens of each expert);
+- `rows(ids)`: embedding rows as float32;
+- `w[a:b]`: a slice of the leading dimension (the experts an expert actor holds);
+- `shape`, `nbytes`, `dequantize()`.
+
+The kinds: `DenseWeight` (float32), `BlockWeight` (GGML blocks exactly as the file stores them:
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4), `Int8Weight` (int8 rows, kernels/int8.py),
+and `ConcatWeight` (weights of different kinds side by side, one product each into column slices of one
+output). `cat_weights` fuses weights into one product when their kinds and formats match.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dense import FEW_ROWS, dense_grouped, dense_linear
+from .int8 import Int8Weight
+
+F32, F16, BF16 = 0, 1, 30
+UNQUANTISED = (F32, F16, BF16)
+# the ggml types BlockWeight computes with (gguf numbering): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+# Q4_K, Q5_K, Q6_K, BF16, MXFP4
+BLOCK_TYPES = (1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39)
+
+
+def _library():
+    """kernels.blocks while it is being written (TEMPORARY until it lands)."""
+    try:
+        from . import blocks
+    except ImportError:
+        return None
+    return blocks if blocks.library() is not None else None
+
+
+class DenseWeight:
+    """A float32 tensor [..., N, K]."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t if t.dtype == torch.float32 else t.float()
+
+    shape = property(lambda self: self.t.shape)
+    nbytes = property(lambda self: self.t.nbytes)
+
+    def __getitem__(self, index) -> "DenseWeight":
+        return DenseWeight(self.t[index])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.t
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.t)
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.t, out)
+
+    def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
+        return dense_grouped(x, self.t, groups, out)
+
+    def same_format(self, other) -> bool:
+        return True
+
+    @staticmethod
+    def cat(parts: list["DenseWeight"], dim: int) -> "DenseWeight":
+        return DenseWeight(torch.cat([p.t for p in parts], dim))
+
+
+class BlockWeight:
+    """GGML blocks: raw uint8 [..., N, bytes per row] holding rows of k values of `ggml_type`.
+
+    quantize_activations: few-row products quantise the activations to 8 bits per block and
+    sum in integers (the fast mode, as llama.cpp); otherwise float32 activations meet the exactly
+    dequantised weight values (the exact mode). Many-row products dequantise tiles and multiply
+    in float32 either way."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool):
+        self.raw, self.type, self.k = raw, int(ggml_type), k
+        self.quantize_activations = quantize_activations and self.type not in UNQUANTISED
+
+    shape = property(lambda self: torch.Size((*self.raw.shape[:-1], self.k)))
+    nbytes = property(lambda self: self.raw.nbytes)
+
+    def __getitem__(self, index) -> "BlockWeight":
+        return BlockWeight(self.raw[index], self.type, self.k, self.quantize_activations)
+
+    def dequantize(self) -> torch.Tensor:
+        flat = self.raw.reshape(-1, self.raw.shape[-1])
+        return self._dequantize_rows(flat).reshape(self.shape)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequantize_rows(self.raw[ids])
+
+    def _dequantize_rows(self, raw: torch.Tensor) -> torch.Tensor:
+        blocks = _library()
+        if blocks is None:
+            from .dequant import dequantize
+            return dequantize(raw.contiguous(), self.type)
+        return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.raw[None], [(0, 0, x.shape[0])], out)
+
+    def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.raw, groups, out)
+
+    def _product(self, x, raw, groups, out):
+        blocks = _library()
+        if blocks is None:      # no compiler: dequantise one weight at a time
+            for g, a, b in groups:
+                out[a:b] = F.linear(x[a:b], BlockWeight(raw[g], self.type, self.k, False).dequantize())
+            return out
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]
+        if few:
+            blocks.grouped_product(x, raw, self.type, self.k, few, out, self.quantize_activations)
+        for g, a, b in groups:
+            if b - a > FEW_ROWS:
+                blocks.many_rows_product(x[a:b], raw[g], self.type, self.k, out[a:b])
+        return out
+
+    def same_format(self, other: "BlockWeight") -> bool:
+        return (self.type, self.k, self.quantize_activations) == (other.type, other.k, other.quantize_activations)
+
+    @staticmethod
+    def cat(parts: list["BlockWeight"], dim: int) -> "BlockWeight":
+        first = parts[0]
+        return BlockWeight(torch.cat([p.raw for p in parts], dim), first.type, first.k, first.quantize_activations)
+
+
+class ConcatWeight:
+    """Weights side by side along the output dimension (`dim` counts in the stacked weight's
+    dimensions: 0 for [N, K], 1 for [E, N, K]); each runs its own product into its columns."""
+
+    def __init__(self, parts: list, dim: int):
+        self.parts, self.dim = parts, dim
+        self.widths = [p.shape[dim] for p in parts]
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = list(self.parts[0].shape)
+        shape[self.dim] = sum(self.widths)
+        return torch.Size(shape)
+
+    nbytes = property(lambda self: sum(p.nbytes for p in self.parts))
+
+    def __getitem__(self, index) -> "ConcatWeight":
+        return ConcatWeight([p[index] for p in self.parts], self.dim - (0 if isinstance(index, slice) else 1))
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], self.dim)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.rows(ids) for p in self.parts], -1)
+
+    def _columns(self, out: torch.Tensor):
+        start = 0
+        for part, width in zip(self.parts, self.widths):
+            yield part, out[:, start:start + width]
+            start += width
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for part, columns in self._columns(out):
+            part.linear(x, columns)
+        return out
+
+    def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
+        for part, columns in self._columns(out):
+            part.grouped(x, groups, columns)
+        return out
+
+
+def as_weight(w):
+    """A weight of one of the kinds above; a plain tensor becomes a DenseWeight."""
+    return DenseWeight(w) if isinstance(w, torch.Tensor) else w
+
+
+def cat_weights(weights: list, dim: int = 0):
+    """Weights joined along an output dimension (0 for [N, K], 1 for [E, N, K]): neighbours of the
+    same kind and format fuse into one weight (one product); a ConcatWeight holds what is left."""
+    runs: list[list] = []
+    for w in weights:
+        w = as_weight(w)
+        for part in (w.parts if isinstance(w, ConcatWeight) else [w]):
+            if runs and type(runs[-1][0]) is type(part) and runs[-1][0].same_format(part):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+    fused = [run[0] if len(run) == 1 else type(run[0]).cat(run, dim) for run in runs]
+    return fused[0] if len(fused) == 1 else ConcatWeight(fused, dim)

@@ -1,0 +1,74 @@
+"""What a stage needs in memory, computed from the model's files before any weight is read.
+
+A stage holds its tensors as the file stores them (auto and float32 modes; values such as norms
+and biases as float32), or as int8 rows (int8 mode), plus one cache per running sequence, each
+at most a full context of keys and values for attention layers and the DeltaNet state for the
+others (see docs/memory.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import GGUFFile
+from .loader import ModelFiles
+
+RUNTIME_BYTES = 768 << 20     # interpreter, torch, the kernels' buffers and one step's activations
+GiB = 1 << 30
+
+
+@dataclass
+class StageNeed:
+    layers: range
+    weight_bytes: int
+    cache_bytes_per_sequence: int
+
+    def total(self, max_running: int) -> int:
+        return self.weight_bytes + max_running * self.cache_bytes_per_sequence + RUNTIME_BYTES
+
+
+def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
+    n = int(np.prod(shape, dtype=np.int64))
+    if len(shape) < 2:
+        return 4 * n                                   # values are held as float32
+    if mode == "int8":
+        return n + 4 * n // shape[-1]                  # int8 rows and a scale each
+    if isinstance(model.source, GGUFFile):
+        return model.source.info(name).n_bytes
+    return 4 * n
+
+
+def stage_need(model: ModelFiles, layers: range, mode: str) -> StageNeed:
+    first, last = layers.start == 0, layers.stop == model.n_layers
+    shapes = model.expected_shapes(layers, first, last)
+    weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
+    caches = sum(model.arch.layer_cache_bytes(model.config, i) for i in layers)
+    return StageNeed(layers, weights, caches)
+
+
+def fit_running(needs: list[StageNeed], node_bytes: list[int], max_running: int, explicit: bool) -> int:
+    """The number of running sequences the stages can hold caches for on nodes with `node_bytes` of
+    memory each: max_running when it fits; fewer when the user did not ask for it explicitly; else an
+    error that says what to change."""
+    from .errors import RaymoeError
+
+    def fits(n):
+        totals = [need.total(n) for need in needs]
+        return sum(totals) <= sum(node_bytes) and max(totals) <= max(node_bytes)
+
+    if fits(max_running):
+        return max_running
+    if explicit or not fits(1):
+        n = max_running if explicit else 1
+        weights = sum(need.weight_bytes for need in needs)
+        cache = sum(need.cache_bytes_per_sequence for need in needs)
+        raise RaymoeError(
+            f"the model does not fit: its {len(needs)} stage(s) need {sum(need.total(n) for need in needs) / GiB:.1f} "
+            f"GiB ({weights / GiB:.1f} GiB of weights, {cache / GiB:.2f} GiB of cache per sequence x {n}), and Ray "
+            f"has {sum(node_bytes) / GiB:.1f} GiB (largest node {max(node_bytes) / GiB:.1f} GiB); use --pp over more "
+            f"nodes, a smaller --max-running or a smaller --max-model-len")
+    n = max_running
+    while not fits(n):
+        n -= 1
+    return n

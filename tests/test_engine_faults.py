@@ -1,0 +1,121 @@
+"""Issue 14, case 1: a failure inside the engine ends only the requests it concerns, and a stalled
+engine says so. The coordinator runs in this process (no Ray) over the whole model in one stage."""
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.coordinator import Coordinator
+from stages.errors import RaymoeError
+from stages.loader import open_model
+from stages.sampling import Sampler
+from stages.stage import Stage
+
+GREEDY = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+
+
+class LocalPipeline:
+    """Coordinator's view of a pipeline: one in-process stage; `hang` makes every step never finish,
+    `fail_for` makes submit raise for a batch holding that sequence id."""
+
+    def __init__(self, model, hang=False, fail_for=None):
+        self.stage = Stage(model, range(model.n_layers))
+        self.spec = SimpleNamespace(pp=1)
+        self.hang, self.fail_for = hang, fail_for
+
+    def submit(self, batch):
+        if self.fail_for in batch.seq_ids:
+            raise RuntimeError("injected submit failure")
+        step = asyncio.get_running_loop().create_future()
+        if not self.hang:
+            step.set_result(self.stage.forward(batch, None))
+        return [step]
+
+    def release(self, seq_ids):
+        for sid in seq_ids:
+            self.stage.release(sid)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return open_model("tiny-qwen35moe")
+
+
+def coordinator(model, **pipeline):
+    coord = Coordinator.__ray_metadata__.modified_class(SimpleNamespace(model_path=model.path), stall_timeout=0.5)
+    coord.pipeline = LocalPipeline(model, **pipeline)
+    return coord
+
+
+async def results_of(coord, requests: dict) -> dict:
+    """request id -> result of each request, submitted together."""
+    ids = {await coord.submit(rid, req): rid for rid, req in requests.items()}
+    out = {}
+    while len(out) < len(ids):
+        for sid, result in await coord.wait_finished(timeout=10):
+            out[ids[sid]] = result
+    return out
+
+
+def test_a_failing_sequence_fails_alone(model, monkeypatch, caplog):
+    sample = Sampler.sample
+
+    def faulty(self, logits):
+        if self.params.seed == 13:
+            raise RuntimeError("injected sampling failure")
+        return sample(self, logits)
+
+    monkeypatch.setattr(Sampler, "sample", faulty)
+
+    async def go():
+        coord = coordinator(model)
+        first = await results_of(coord, {"good": GREEDY, "bad": {**GREEDY, "temperature": 1.0, "seed": 13}})
+        later = await results_of(coord, {"later": GREEDY})
+        return first, later
+
+    first, later = asyncio.run(go())
+    assert first["bad"] == {"id": "bad", "error": "internal error: RuntimeError: injected sampling failure"}
+    assert len(first["good"]["token_ids"]) == 4 and later["later"]["token_ids"] == first["good"]["token_ids"]
+    assert sum("Traceback" in r.exc_text for r in caplog.records if r.exc_text) == 1
+
+
+def test_a_scheduler_failure_fails_its_micro_batch_and_the_loop_goes_on(model, caplog):
+    async def go():
+        coord = coordinator(model, fail_for=1)          # sequence 1 is "bad" (its own micro-batch group)
+        first = await results_of(coord, {"good": GREEDY, "bad": GREEDY})
+        later = await results_of(coord, {"later": GREEDY})
+        return first, later, coord.loop_task.done()
+
+    first, later, loop_ended = asyncio.run(go())
+    assert first["bad"] == {"id": "bad", "error": "internal error: RuntimeError: injected submit failure"}
+    assert len(first["good"]["token_ids"]) == 4 and later["later"]["token_ids"] == first["good"]["token_ids"]
+    assert not loop_ended
+    assert [r.message for r in caplog.records if r.exc_text] == [
+        "the scheduler failed; failing the sequences concerned and going on"]
+
+
+def test_a_stalled_engine_is_unhealthy(model):
+    async def go():
+        coord = coordinator(model, hang=True)
+        coord.progress_at -= 3600                      # idle for an hour: not a stall
+        coord.check_health()
+        await coord.submit("r", GREEDY)
+        coord.check_health()                           # work just arrived: the stall clock starts now
+        await asyncio.sleep(0.8)
+        with pytest.raises(RaymoeError, match=r"no step completed for \d+ s while requests wait"):
+            coord.check_health()
+
+    asyncio.run(go())
+
+
+def test_a_working_engine_stays_healthy(model):
+    async def go():
+        coord = coordinator(model)
+        await coord.submit("r", {**GREEDY, "max_tokens": 64, "ignore_eos": True})
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            coord.check_health()
+            await asyncio.sleep(0.05)
+
+    asyncio.run(go())

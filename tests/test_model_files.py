@@ -1,0 +1,140 @@
+"""GGUF files as llama.cpp writes them: mixed types per tensor, trailing unit dimensions, MTP/nextn
+layers, split files; weights kept in their blocks; a model too big for the cluster refused at once."""
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from deploy.make_tiny import make_tiny
+from hf_models import run_one
+from kernels.weights import BlockWeight, ConcatWeight, DenseWeight
+from stages.errors import ModelFormatError
+from stages.gguf_file import GGUFFile
+from stages.loader import open_model
+from stages.stage import Stage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def f32_file(tmp_path_factory):
+    return make_tiny("qwen35moe", str(tmp_path_factory.mktemp("qwen")))
+
+
+def rewrite(src: str, dst: str, change=lambda name, data, qtype: (data, qtype), set_kv=None, extra_tensors=(),
+            split_after=None):
+    """Copy a GGUF, passing each tensor (torch-order float32 or raw bytes) through `change`, setting
+    integer metadata `set_kv` and adding float32 `extra_tensors`; with split_after, tensors from that
+    index on go to a second part, as gguf-split names them."""
+    set_kv = dict(set_kv or {})
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    parts = [dst] if split_after is None else [dst.replace(".gguf", f"-0000{i}-of-00002.gguf") for i in (1, 2)]
+    writers = [gguf.GGUFWriter(p, arch) for p in parts]
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writers[0].add_key_value(name, set_kv.pop(name, field.contents()), field.types[0], sub_type=sub)
+    for name, value in set_kv.items():
+        writers[0].add_uint32(name, value)
+    for i, t in enumerate(reader.tensors):
+        qtype = T(t.tensor_type)
+        data = np.array(t.data) if qtype == T.F32 else np.array(t.data).view(np.uint8)
+        data, qtype = change(t.name, data, qtype)
+        w = writers[0 if split_after is None or i < split_after else 1]
+        w.add_tensor(t.name, data, raw_dtype=None if qtype == T.F32 else qtype)
+    for name, data in extra_tensors:
+        writers[-1].add_tensor(name, data)
+    for w in writers:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return parts[0]
+
+
+def prompt_logprobs(path: str, mode: str = "float32"):
+    prompt = list(range(3, 40))
+    r = run_one(open_model(path), prompt, mode=mode, prompt_logprobs=0, max_tokens=4, temperature=0)
+    return torch.tensor([e["logprob"] for e in r["prompt_logprobs"][1:]]), r["token_ids"]
+
+
+def test_weights_stay_in_their_blocks_and_fuse_only_when_types_match(f32_file, tmp_path):
+    """Q8_0 qkv beside F32 gate (a mix llama.cpp writes): computed exactly as the dequantised values."""
+    quantised = {}
+
+    def to_q8(name, data, qtype):
+        if name.endswith(("attn_qkv.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "output.weight")):
+            raw = gguf.quants.quantize(data, T.Q8_0)
+            quantised[name] = gguf.quants.dequantize(raw, T.Q8_0)
+            return raw, T.Q8_0
+        return data, qtype
+
+    mixed = rewrite(f32_file, str(tmp_path / "mixed.gguf"), to_q8)
+    # the same values, all float32: what the exact mode must reproduce
+    same = rewrite(f32_file, str(tmp_path / "same.gguf"),
+                   lambda name, data, qtype: (quantised.get(name, data).astype(np.float32), qtype))
+    stage = Stage(open_model(mixed), range(8), "float32")
+    mixer = stage.layers[0].mixer
+    assert isinstance(mixer.inputs, ConcatWeight)                                  # Q8_0 qkv | F32 gate, beta, alpha
+    assert [type(p) for p in mixer.inputs.parts] == [BlockWeight, DenseWeight]     # the F32 ones fused together
+    assert isinstance(stage.head, BlockWeight) and stage.head.raw.dtype == torch.uint8
+    assert stage.parameter_bytes() < 0.8 * Stage(open_model(same), range(8), "float32").parameter_bytes()
+    a, ids_a = prompt_logprobs(mixed)
+    b, ids_b = prompt_logprobs(same)
+    assert ids_a == ids_b and (a - b).abs().max() < 1e-4
+    # the fast mode (8-bit activations) is a different computation, close to the exact one: the tiny
+    # random models amplify rounding (bfloat16 activations alone moved these logprobs ~0.2 nats on average)
+    fast, _ = prompt_logprobs(mixed, "auto")
+    assert 0 < (fast - a).abs().mean() < 0.3
+
+
+def test_trailing_unit_dimensions_are_absent(f32_file, tmp_path):
+    """A vector stored as [n_embd, 1] (llama.cpp's converter writes ffn_gate_inp_shexp so) is a vector."""
+    hidden = GGUFFile(f32_file).metadata["qwen35moe.embedding_length"]
+    odd = rewrite(f32_file, str(tmp_path / "odd.gguf"), lambda name, data, qtype: (
+        (data.reshape(1, -1), qtype) if name.endswith("ffn_gate_inp_shexp.weight") else (data, qtype)))
+    assert [int(x) for x in next(t for t in gguf.GGUFReader(odd).tensors
+                                 if t.name == "blk.0.ffn_gate_inp_shexp.weight").shape] == [hidden, 1]
+    assert GGUFFile(odd).ggml_shape("blk.0.ffn_gate_inp_shexp.weight") == (hidden,)
+    assert torch.equal(prompt_logprobs(odd)[0], prompt_logprobs(f32_file)[0])
+
+
+def test_nextn_layers_are_never_loaded(f32_file, tmp_path):
+    """An MTP layer after the real ones counts in block_count; its tensors are skipped."""
+    meta = GGUFFile(f32_file).metadata
+    n, hidden = meta["qwen35moe.block_count"], meta["qwen35moe.embedding_length"]
+    nextn = rewrite(f32_file, str(tmp_path / "nextn.gguf"),
+                    set_kv={"qwen35moe.block_count": n + 1, "qwen35moe.nextn_predict_layers": 1},
+                    extra_tensors=[(f"blk.{n}.nextn.eh_proj.weight", np.ones((hidden, 2 * hidden), np.float32))])
+    assert open_model(nextn).n_layers == n
+    assert torch.equal(prompt_logprobs(nextn)[0], prompt_logprobs(f32_file)[0])
+
+
+def test_split_files_open_from_their_first_part(f32_file, tmp_path):
+    split = rewrite(f32_file, str(tmp_path / "split.gguf"), split_after=60)
+    assert split.endswith("-00001-of-00002.gguf") and len(GGUFFile(split).tensors) == len(GGUFFile(f32_file).tensors)
+    assert torch.equal(prompt_logprobs(split)[0], prompt_logprobs(f32_file)[0])
+    with pytest.raises(ModelFormatError, match="opens from its first part"):
+        open_model(split.replace("-00001-", "-00002-"))
+    os.remove(split.replace("-00001-", "-00002-"))
+    with pytest.raises(ModelFormatError, match="part .*-00002-of-00002.gguf is missing"):
+        open_model(split)
+
+
+def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
+    """A cluster with 64 MiB of memory: one line naming the need, what Ray has, and what to change,
+    before any weight is read."""
+    code = ("import ray, sys; from cluster.engine import ClusterEngine; from stages.errors import RaymoeError\n"
+            "ray.init(address='local', num_cpus=2, _memory=64 << 20, include_dashboard=False, logging_level='ERROR')\n"
+            "try:\n    ClusterEngine(sys.argv[1], pp=2)\nexcept RaymoeError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, f32_file], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    line = proc.stdout.strip()
+    assert line.startswith("the model does not fit: its 2 stage(s) need"), proc.stdout + proc.stderr
+    assert "Ray has 0.1 GiB" in line and "--max-running" in line and "--max-model-len" in line and "--pp" in line
