@@ -70,6 +70,13 @@ class Coordinator:
     def _ensure_loop(self):
         if self.loop_task is None or self.loop_task.done():
             self.loop_task = asyncio.get_running_loop().create_task(self._run())
+            self.loop_task.add_done_callback(self._loop_ended)
+
+    @staticmethod
+    def _loop_ended(task):
+        # only failing to fail a micro-batch ends the loop: say so (the watchdog then reports the stall)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the scheduler loop ended", exc_info=task.exception())
 
     async def submit(self, request_id, request: dict, defaults: dict | None = None, collect: bool = True) -> int:
         """Queue one request (a JSONL line / API body). Returns its sequence id; bad requests raise

@@ -1,6 +1,7 @@
 """Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops]
+    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops,real]
+                           [--real-dir DIR]
 
 Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
 32 experts top-4, expert FF 512, 32k vocabulary (~450M parameters, ~90M active) as F32 and
@@ -12,7 +13,11 @@ Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
   each stage actor's peak RSS next to its weight bytes;
 - hops: per-hop latency of each transport for a decode- and a prefill-sized activation,
   next to a memcpy of the same bytes.
-Machines are noisy: only ratios measured in one run mean anything.
+- real (only when named): the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
+  deploy.make_synthetic (written to --real-dir when missing): load seconds, peak RSS, prefill,
+  batch-1 and 4-sequence decode for raymoe (PP=1, and PP=2 on this node) and llama.cpp.
+Machines are noisy: only ratios measured in one run mean anything, and every report prints the
+host's memory read speed beside its figures.
 """
 from __future__ import annotations
 
@@ -78,14 +83,14 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 # ---- engines ---------------------------------------------------------------------------------
 
-def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, precision: str = "float32") -> dict:
+def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, mode: str = "float32") -> dict:
     from stages.engine import LocalEngine
     from stages.loader import open_model
     from stages.sampling import SamplingParams
     from stages.scheduler import Scheduler
 
-    engine = LocalEngine(open_model(path), precision=precision, scheduler=Scheduler(max_batch_tokens=n_prompt,
-                                                                            prefill_chunk=n_prompt))
+    engine = LocalEngine(open_model(path), mode=mode, scheduler=Scheduler(max_batch_tokens=n_prompt,
+                                                                  prefill_chunk=n_prompt))
     engine.eos_ids = set()
 
     def generate(n_seqs, prompt_len, n):
@@ -145,10 +150,11 @@ def bench_transformers(hf_dir: str, n_prompt: int, n_decode: int) -> dict:
     return {"prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode, "batch16_tok_s": None}
 
 
-# raymoe-f32 is the exact float32 mode; the Q8_0 and MXFP4 files run `--dtype int8`
-RAYMOE_DTYPES = {"raymoe-f32": "float32", "raymoe-q8_0": "int8", "raymoe-bf16": "bfloat16", "raymoe-gptoss-mxfp4": "int8"}
+# raymoe-f32 is the exact float32 mode; the Q8_0 and MXFP4 files run in their own format (`--dtype auto`);
+# raymoe-int8 requantises the F32 file to int8 rows
+RAYMOE_DTYPES = {"raymoe-f32": "float32", "raymoe-q8_0": "auto", "raymoe-int8": "int8", "raymoe-gptoss-mxfp4": "auto"}
 FLOAT32_ENGINES = {name for name, dtype in RAYMOE_DTYPES.items() if dtype == "float32"}
-ENGINES = ["raymoe-f32", "raymoe-q8_0", "raymoe-bf16", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-f32",
+ENGINES = ["raymoe-f32", "raymoe-q8_0", "raymoe-int8", "llama.cpp-f32", "llama.cpp-q8_0", "transformers-f32",
            "raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4"]
 
 
@@ -161,7 +167,7 @@ def run_engine(name: str, quick: bool) -> dict | None:
     runs = {
         "raymoe-f32": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-f32"]),
         "raymoe-q8_0": lambda: bench_raymoe(qwen["q8_0"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-q8_0"]),
-        "raymoe-bf16": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-bf16"]),
+        "raymoe-int8": lambda: bench_raymoe(qwen["f32"], n_prompt, n_decode, 16, RAYMOE_DTYPES["raymoe-int8"]),
         "llama.cpp-f32": lambda: bench_llama_cpp(qwen["f32"], n_prompt, n_decode),
         "llama.cpp-q8_0": lambda: bench_llama_cpp(qwen["q8_0"], n_prompt, n_decode),
         "transformers-f32": lambda: bench_transformers(qwen["hf"], n_prompt, n_decode),
@@ -242,8 +248,8 @@ def print_ratios(r: dict):
         print(f"  batch16 / batch-1 decode (raymoe-f32) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x  (>= 5)")
     print(f"  decode  raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'decode_tok_s')}  (>= 2)")
     print(f"  prefill raymoe-f32 / transformers     {ratio('raymoe-f32', 'transformers-f32', 'prefill_tok_s')}  (>= 1)")
-    print("approximate modes, for reference (raymoe-q8_0 and raymoe-gptoss-mxfp4 run --dtype int8):")
-    for a, b, key in (("raymoe-bf16", "llama.cpp-f32", "prefill_tok_s"), ("raymoe-bf16", "llama.cpp-f32", "decode_tok_s"),
+    print("approximate modes, for reference (raymoe-q8_0 and raymoe-gptoss-mxfp4 run --dtype auto):")
+    for a, b, key in (("raymoe-int8", "llama.cpp-f32", "prefill_tok_s"), ("raymoe-int8", "llama.cpp-f32", "decode_tok_s"),
                       ("raymoe-q8_0", "llama.cpp-q8_0", "prefill_tok_s"),
                       ("raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4", "prefill_tok_s"),
                       ("raymoe-gptoss-mxfp4", "llama.cpp-gptoss-mxfp4", "decode_tok_s")):
@@ -251,6 +257,157 @@ def print_ratios(r: dict):
     if "raymoe-q8_0" in r:
         x = r["raymoe-q8_0"]
         print(f"  batch16 / batch-1 decode (raymoe-q8_0) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x")
+
+
+# ---- real sizes --------------------------------------------------------------------------------
+# full-size synthetic files of the released shapes (deploy.make_synthetic), with their default mixes
+REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
+REAL_ENGINES = ("raymoe", "llama.cpp", "raymoe-pp2")
+
+
+def real_file(model: str, folder: str) -> str:
+    import subprocess
+
+    path = os.path.join(folder, f"{model}.gguf")
+    if not os.path.exists(path):
+        print(f"writing the full-size {model} file to {path} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", model, "--out", path], check=True)
+    return path
+
+
+def peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bench_real_raymoe(path: str, n_prompt: int, n_decode: int) -> dict:
+    """Load, prefill, batch-1 and 4-sequence decode in this process (PP=1, `--dtype auto`)."""
+    from stages.engine import LocalEngine
+    from stages.loader import open_model
+    from stages.sampling import SamplingParams
+    from stages.scheduler import Scheduler
+
+    start = time.perf_counter()
+    engine = LocalEngine(open_model(path), mode="auto", scheduler=Scheduler(max_batch_tokens=n_prompt,
+                                                                            prefill_chunk=n_prompt))
+    load = time.perf_counter() - start
+    engine.eos_ids = set()
+
+    def generate(n_seqs, prompt_len, n):
+        for i in range(n_seqs):
+            engine.add_request(i, random_ids(prompt_len, i), SamplingParams(max_tokens=n, temperature=0))
+        engine.run_until_done()
+
+    generate(1, 16, 2)
+    prefill = timed(lambda: generate(1, n_prompt, 1))
+    one = timed(lambda: generate(1, 8, 1))
+    decode = timed(lambda: generate(1, 8, n_decode + 1)) - one
+    one_b = timed(lambda: generate(4, 8, 1))
+    decode_b = timed(lambda: generate(4, 8, n_decode // 2 + 1)) - one_b
+    return {"load_s": load, "peak_rss_gb": peak_rss_bytes() / 1e9, "prefill_tok_s": n_prompt / prefill,
+            "decode_tok_s": n_decode / decode, "batch4_tok_s": 4 * (n_decode // 2) / decode_b}
+
+
+def bench_real_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    start = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt, n_threads=THREADS,
+                n_threads_batch=THREADS, verbose=False)
+    load = time.perf_counter() - start
+    prompt = random_ids(n_prompt, 0)
+    llm.eval(prompt[:16])
+    llm.reset()
+    prefill = timed(lambda: llm.eval(prompt))
+    llm.reset()
+    llm.eval(prompt[:8])
+
+    def decode():
+        for _ in range(n_decode):
+            llm.eval([prompt[8]])
+    return {"load_s": load, "peak_rss_gb": peak_rss_bytes() / 1e9, "prefill_tok_s": n_prompt / prefill,
+            "decode_tok_s": n_decode / timed(decode), "batch4_tok_s": None}
+
+
+def bench_real_pp2(path: str, n_decode: int) -> dict:
+    """Two stage actors on this node, each holding half the layers (one thread each)."""
+    from cluster.engine import ClusterEngine, connect_ray
+
+    connect_ray(4)
+    start = time.perf_counter()
+    engine = ClusterEngine(path, pp=2, threads=1, microbatches=2, max_running=4)
+    load = time.perf_counter() - start
+    try:
+        def run(n_seqs, n):
+            engine.submit_many([(i, {"prompt_token_ids": random_ids(8, i), "max_tokens": n, "temperature": 0,
+                                     "ignore_eos": True}) for i in range(n_seqs)])
+            done = 0
+            while done < n_seqs:
+                done += len(engine.wait_finished(5))
+        run(1, 2)
+        one = timed(lambda: run(1, 1))
+        decode = timed(lambda: run(1, n_decode + 1)) - one
+        one_b = timed(lambda: run(4, 1))
+        decode_b = timed(lambda: run(4, n_decode // 2 + 1)) - one_b
+        stages = engine.stats()["stages"]
+    finally:
+        engine.shutdown()
+    return {"load_s": load, "peak_rss_gb": max(s["peak_rss_bytes"] for s in stages) / 1e9, "prefill_tok_s": None,
+            "decode_tok_s": n_decode / decode, "batch4_tok_s": 4 * (n_decode // 2) / decode_b,
+            "stage_weights_gb": [s["parameter_bytes"] / 1e9 for s in stages]}
+
+
+def run_real_engine(spec: str, quick: bool) -> dict | None:
+    engine, path = spec.split(":", 1)
+    torch.set_num_threads(THREADS)
+    n_prompt, n_decode = (64, 8) if quick else (512, 32)
+    if engine == "raymoe":
+        return bench_real_raymoe(path, n_prompt, n_decode)
+    if engine == "llama.cpp":
+        return bench_real_llama_cpp(path, n_prompt, n_decode)
+    return bench_real_pp2(path, n_decode)
+
+
+def bench_real(folder: str, quick: bool) -> dict:
+    """Each engine on each full-size file, one at a time in a process of its own (24 GB machine)."""
+    import subprocess
+
+    fields = ("load_s", "peak_rss_gb", "prefill_tok_s", "decode_tok_s", "batch4_tok_s")
+    report = {}
+    for model in REAL_MODELS:
+        path = real_file(model, folder)
+        print(f"\n== real: {model} ({os.path.getsize(path) / 1e9:.1f} GB), {THREADS} threads "
+              f"(PP=2: one per stage); prefill {64 if quick else 512} tokens")
+        print(f"{'engine':<14}" + "".join(f"{f:>15}" for f in fields))
+        report[model] = {}
+        for engine in REAL_ENGINES:
+            cmd = [sys.executable, "-m", "deploy.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
+            r = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+            if r is None:
+                why = "not installed" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"{engine:<14}  {why}")
+                continue
+            report[model][engine] = r
+            print(f"{engine:<14}" + "".join(f"{r[f]:>15.2f}" if r.get(f) is not None else f"{'-':>15}" for f in fields))
+        r = report[model]
+        if "raymoe" in r and "llama.cpp" in r:
+            a, b = r["raymoe"], r["llama.cpp"]
+            print(f"ratios raymoe / llama.cpp: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x (>= 1.2), prefill "
+                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x (>= 1.5), load time {a['load_s'] / b['load_s']:.2f}x "
+                  f"(<= 1.5), peak RSS {a['peak_rss_gb'] / b['peak_rss_gb']:.2f}x")
+    return report
+
+
+def read_bandwidth_gb_s() -> float:
+    """This host's memory read speed with the benchmark's threads: a plain sum over 256 MB, best of 5.
+    Figures from hosts that read at different speeds are not comparable; every report prints it."""
+    torch.set_num_threads(THREADS)
+    x = torch.ones(64 << 20)
+    return x.nbytes / min(timed(lambda: x.sum()) for _ in range(5)) / 1e9
 
 
 # ---- cluster ---------------------------------------------------------------------------------
@@ -326,15 +483,26 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")
     p.add_argument("--sections", default="engines,pp,hops")
     p.add_argument("--repeat", type=int, default=1, help="rounds of the engines section; figures are medians")
+    p.add_argument("--real-dir", default=None,
+                   help="section real: folder for the full-size synthetic files (made when missing; ~28 GB)")
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)    # one engine, JSON out (internal)
+    p.add_argument("--real-engine", help=argparse.SUPPRESS)                 # ENGINE:PATH, JSON out (internal)
     args = p.parse_args(argv)
     if args.engine:
         print(json.dumps(run_engine(args.engine, args.quick)))
         return 0
+    if args.real_engine:
+        print(json.dumps(run_real_engine(args.real_engine, args.quick)))
+        return 0
     sections = set(args.sections.split(","))
-    print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000; "
-          f"{os.cpu_count()} cores")
-    report = {}
+    report = {"read_gb_s": read_bandwidth_gb_s()}
+    print(f"{os.cpu_count()} cores; this host reads memory at {report['read_gb_s']:.1f} GB/s ({THREADS} threads)")
+    if "real" in sections:
+        if not args.real_dir:
+            p.error("section real needs --real-dir (a folder with room for ~28 GB of model files)")
+        report["real"] = bench_real(args.real_dir, args.quick)
+    if sections & {"engines", "pp", "hops"}:
+        print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
     if "engines" in sections:
         report["engines"] = bench_engines(args.quick, args.repeat)
     if sections & {"pp", "hops"}:

@@ -66,6 +66,8 @@ MODELS = {
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q2_k": Q.Q2_K, "q3_k": Q.Q3_K, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K,
          "q6_k": Q.Q6_K, "mxfp4": Q.MXFP4}
+# q3_k_m: Q3_K experts, Q4_K other matrices, Q6_K head; q4_k_m: Q4_K, with Q6_K for the head and for
+# ffn_down / attn_v in llama.cpp's more-bits layers; mxfp4: MXFP4 experts, Q8_0 other matrices
 MIXES = ("q3_k_m", "q4_k_m", "mxfp4")
 
 # general.file_type, as llama-quantize names a file of each type or mix
@@ -412,7 +414,11 @@ def main(argv=None) -> int:
         print(f"{label}: {size} bytes ({size / 1e9:.2f} GB)\n{_type_totals(plan)}")
         return 0
     started = time.monotonic()
-    size = write_synthetic(args.out, args.model, cfg, plan, tokenizer, file_type, args.seed)
+    try:
+        size = write_synthetic(args.out, args.model, cfg, plan, tokenizer, file_type, args.seed)
+    except OSError as e:      # an unwritable directory, a full disk: the old file, if any, is untouched
+        print(f"error: {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {label}, {size} bytes ({size / 1e9:.2f} GB) in {time.monotonic() - started:.0f} s",
           file=sys.stderr)
     return 0

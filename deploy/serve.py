@@ -39,11 +39,12 @@ from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, TokenText, c
                                models_response, parse_chat, parse_completion, request_error, sse)
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from protos.servicer import RaymoeServicer
+from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.errors import RaymoeError, RequestError
 
 log = logging.getLogger("raymoe.serve")
 APP_NAME = "raymoe"
-MAX_BODY_BYTES = 4 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
+MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
 MAX_MESSAGES = 1024
 
@@ -55,7 +56,7 @@ class ServeArgs(BaseModel):
     served_model_name: str | None = None      # the name clients send as "model" (default: model)
     pp: int = 1
     ep: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     transport: str = "object_store"
     threads: int | None = None
@@ -63,7 +64,8 @@ class ServeArgs(BaseModel):
     microbatches: int = 4
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
-    max_running: int = 64                     # sequences holding cache slots at once
+    max_running: int | None = None            # sequences holding caches at once (None: as many as fit, <= 64)
+    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache
     max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
     host: str = "127.0.0.1"                   # where gRPC listens (HTTP: Serve's http_options.host)
     grpc_port: int = 0                        # 0: no gRPC
@@ -144,7 +146,8 @@ class Serving:
         self.engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
                                     threads=args.threads, split=args.split, microbatches=args.microbatches,
                                     max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-                                    max_running=args.max_running, device=args.device, max_queued=args.max_queued)
+                                    max_running=args.max_running, device=args.device, max_queued=args.max_queued,
+                                    max_model_len=args.max_model_len)
         self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
         self.model_name = args.name
         self.context_length, self.vocab = self.config.context_length, self.config.vocab
@@ -334,6 +337,7 @@ class RaymoeServer(RaymoeServicer):
     @api.get("/health")
     async def health(self):
         try:
+            await self.serving.engine.check_health_async()
             load = await self.serving.load()
         except Exception as e:
             return error_response(APIError(503, f"unhealthy: {type(e).__name__}: {e}", code="unhealthy"))
@@ -428,13 +432,16 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="as for deploy.generate: float32 is exact, the others faster and approximate")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
+                   help="as for deploy.generate: auto computes in the file's format, float32 is exact")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
-    p.add_argument("--max-running", type=int, default=64, help="sequences holding cache slots at once")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="sequences holding caches at once (default: as many as memory allows, at most 64)")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="context bound: sizes each sequence's cache (default %(default)s, or the model's if shorter)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="sequences that may wait for a slot; beyond that requests get 503 (-1: unbounded)")
     p.add_argument("--host", default="127.0.0.1",
@@ -472,6 +479,7 @@ def main(argv=None) -> int:
     serve_args = ServeArgs(model=args.model, served_model_name=args.served_model_name, pp=args.pp, ep=args.ep,
                            dtype=args.dtype, device=args.device, transport=args.transport, threads=args.threads,
                            microbatches=args.microbatches, max_running=args.max_running,
+                           max_model_len=args.max_model_len,
                            max_queued=args.max_queued, host=args.host, grpc_port=args.grpc_port,
                            api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                            max_json_depth=args.max_json_depth, max_messages=args.max_messages)

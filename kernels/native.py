@@ -1,9 +1,10 @@
 """Compiled CPU kernels (kernels/csrc/few_rows.c): products of a few rows (float32 or int8
 weights), and float32 matrix products on numpy's OpenBLAS driven from OpenMP threads.
 
-Built with the machine's C compiler (`cc`, or $CC) for its own CPU on first use and cached per
-source, compiler and CPU under $RAYMOE_CACHE/native (default ~/.cache/raymoe/native), so each
-Ray node builds its own. The library runs its threads on the OpenMP runtime torch has loaded,
+Built with the machine's C compiler (`cc`, or $CC) for its own CPU (or $RAYMOE_MARCH, to test
+the code paths of other CPUs) on first use and cached per source, compiler, flags and CPU under
+$RAYMOE_CACHE/native (default ~/.cache/raymoe/native), so each Ray node builds its own. `_build`
+also compiles the other kernel sources (kernels/blocks.py). The library runs its threads on the OpenMP runtime torch has loaded,
 so it shares torch's thread count and workers; numpy's OpenBLAS is set to one thread and called
 inside them (`sgemm`), so one pool of threads does all the work. When there is no compiler, no
 AVX-512 VNNI, or RAYMOE_NATIVE=0, `few_rows()` is None and products stay with OpenBLAS's own

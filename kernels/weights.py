@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import blocks
 from .dense import FEW_ROWS, dense_grouped, dense_linear
 from .int8 import Int8Weight
 
@@ -27,15 +28,6 @@ UNQUANTISED = (F32, F16, BF16)
 # the ggml types BlockWeight computes with (gguf numbering): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, BF16, MXFP4
 BLOCK_TYPES = (1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39)
-
-
-def _library():
-    """kernels.blocks while it is being written (TEMPORARY until it lands)."""
-    try:
-        from . import blocks
-    except ImportError:
-        return None
-    return blocks if blocks.library() is not None else None
 
 
 class DenseWeight:
@@ -96,8 +88,7 @@ class BlockWeight:
         return self._dequantize_rows(self.raw[ids])
 
     def _dequantize_rows(self, raw: torch.Tensor) -> torch.Tensor:
-        blocks = _library()
-        if blocks is None:
+        if blocks.library() is None:      # no compiler: torch's bit-exact decoders
             from .dequant import dequantize
             return dequantize(raw.contiguous(), self.type)
         return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
@@ -109,8 +100,7 @@ class BlockWeight:
         return self._product(x, self.raw, groups, out)
 
     def _product(self, x, raw, groups, out):
-        blocks = _library()
-        if blocks is None:      # no compiler: dequantise one weight at a time
+        if blocks.library() is None:      # no compiler: dequantise one weight at a time
             for g, a, b in groups:
                 out[a:b] = F.linear(x[a:b], BlockWeight(raw[g], self.type, self.k, False).dequantize())
             return out

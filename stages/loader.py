@@ -91,13 +91,21 @@ class ModelFiles:
         if int(ggml_type) == F32:
             return DenseWeight(data.view(torch.float32).reshape(*data.shape[:-1], k))
         if int(ggml_type) not in BLOCK_TYPES:
-            raise ModelFormatError(f"{self.path}: tensor {name} has ggml type {int(ggml_type)}, which raymoe "
+            raise ModelFormatError(f"{self.path}: tensor {name} has ggml type {_type_name(ggml_type)}, which raymoe "
                                    f"cannot compute with")
         return BlockWeight(data, int(ggml_type), k, quantize_activations=mode == "auto")
 
     def _check_shape(self, name: str, got, expected):
         if tuple(got) != tuple(expected):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(got)}, expected {list(expected)}")
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(int(ggml_type)).name
+    except ValueError:
+        return str(int(ggml_type))
 
 
 def resolve_model_path(model: str) -> str:

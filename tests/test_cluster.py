@@ -89,12 +89,15 @@ def test_killed_stage_is_replaced_and_output_unchanged(reference, transport):
         assert got["id"] == want["id"] and got["token_ids"] == want["token_ids"]
         assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"]
         # Rebuilt caches come from differently chunked batches than the original steps (see
-        # test_prefill_then_decode_equals_full_forward): logprobs agree to float32 noise.
+        # test_prefill_then_decode_equals_full_forward): logprobs agree to float32 noise. gpt-oss's MXFP4
+        # experts run in the fast mode (--dtype auto), where decode steps quantise activations to 8 bits
+        # and the prefill that rebuilds the caches multiplies in float32: agreement to that rounding.
+        tolerance = 0.1 if model == "tiny-gptoss" else 1e-3
         for key in ("logprobs", "prompt_logprobs"):
             for a, b in zip(got[key] or [], want[key] or []):
                 assert (a is None) == (b is None)
                 if a is not None:
-                    assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-3
+                    assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < tolerance
 
 
 def test_coordinator_death_fails_with_a_clear_message():

@@ -47,7 +47,8 @@ def check_serve_config(config: dict) -> list:
 def test_serve_config():
     config = load("serve.yaml")
     apps = check_serve_config(config)
-    assert config["http_options"]["port"] == 8000 and config["grpc_options"]["port"] == 9000
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000} and "grpc_options" not in config
+    assert config["applications"][0]["args"]["host"] == "127.0.0.1"
     (app, built), = apps
     assert app.route_prefix == "/" and app.args["model"] == "tiny-qwen35moe"
     from deploy.serve import ServeArgs
@@ -83,7 +84,7 @@ def test_rayservice_manifest():
     assert app.args["device"] == "cuda"
     head = check_cluster(manifest["spec"]["rayClusterConfig"], stages=app.args["pp"] * (1 + app.args.get("ep", 0)))
     ports = {p["containerPort"] for p in head["ports"]}
-    assert {8000, 9000, serve_config["grpc_options"]["port"]} <= ports
+    assert {8000, 9000, app.args["grpc_port"]} <= ports
 
 
 def test_rayjob_manifest():

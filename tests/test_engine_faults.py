@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.coordinator import Coordinator
+from cluster.pipeline import PipelineSpec
 from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.sampling import Sampler
@@ -43,7 +44,8 @@ def model():
 
 
 def coordinator(model, **pipeline):
-    coord = Coordinator.__ray_metadata__.modified_class(SimpleNamespace(model_path=model.path), stall_timeout=0.5)
+    coord = Coordinator.__ray_metadata__.modified_class(PipelineSpec(model.path, model.n_layers, model.config.n_expert),
+                                                        stall_timeout=0.5)
     coord.pipeline = LocalPipeline(model, **pipeline)
     return coord
 

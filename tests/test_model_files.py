@@ -138,3 +138,19 @@ def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
     line = proc.stdout.strip()
     assert line.startswith("the model does not fit: its 2 stage(s) need"), proc.stdout + proc.stderr
     assert "Ray has 0.1 GiB" in line and "--max-running" in line and "--max-model-len" in line and "--pp" in line
+
+
+def test_a_full_width_file_loads_within_its_bytes_plus_a_gigabyte(tmp_path):
+    """Two layers of Qwen3.5-35B-A3B at full width and vocabulary (~1.4 GB of Q3_K/Q4_K/Q6_K blocks): a
+    stage's peak RSS stays within the file's bytes + 1 GiB (no caches: nothing has run)."""
+    path = str(tmp_path / "qwen-2l.gguf")
+    subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", "qwen3.5-35b-a3b", "--layers", "2",
+                    "--out", path], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    code = ("import resource, sys, torch; from stages.loader import open_model; from stages.stage import Stage\n"
+            "m = open_model(sys.argv[1]); s = Stage(m, range(m.n_layers))\n"
+            "print(s.parameter_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    proc = subprocess.run([sys.executable, "-c", code, path], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    held, peak = map(int, proc.stdout.split())
+    size = os.path.getsize(path)
+    assert held <= size and peak <= size + (1 << 30), (held, peak, size)

@@ -40,7 +40,16 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
 #define TILE 64           /* weight rows dequantised at once for many-row products */
 /* Far enough ahead in the weight stream that the lines arrive before use (few_rows.c measured
  * 4-16 KB best here; the hardware prefetcher alone is slower). */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+#endif
+
+/* Prefetches the lines from next up to PREFETCH_BYTES past end, as the stream reaches end: one
+ * line at a time between the work (a burst of prefetches stalls on the line fill buffers). */
+static inline const uint8_t *prefetch_ahead(const uint8_t *next, const uint8_t *end) {
+    for (; next < end + PREFETCH_BYTES; next += 64) __builtin_prefetch(next);
+    return next;
+}
 
 static int block_elems(int t) {
     switch (t) {
@@ -147,21 +156,46 @@ static inline int q6_value(const uint8_t *b, int e) {
 /* ---- fast mode: activations quantised to int8 blocks -------------------------------------- */
 
 typedef struct {
-    int8_t *q;      /* [m][k] */
+    int8_t *q;      /* [m][kq]: in the order the weight bytes unpack in (act_pos), zero padded */
     float *d;       /* [m][nb]: scale of each block (zero padded) */
     float *ds;      /* [m][nb]: d * sum of the block's q (the term of a weight's constant part) */
     int32_t *corr;  /* [m][nb]: -off * sum of the block's q (offset of the unsigned weight bytes) */
     int16_t *bsum;  /* [m][k / 16]: sum of q per 16 */
+    /* 32-blocks on AVX-512, per lane of a group of blocks (group_blocks() of them to 16 lanes):
+     * d, and corr and ds in each block's first lane only (the lanes are summed) */
+    float *lane_d, *lane_ds;  /* [m][lanes] */
+    int32_t *lane_corr;       /* [m][lanes] */
     int64_t nb;     /* blocks per row, rounded up to even (the VNNI path reads blocks in pairs) */
+    int64_t kq;     /* row stride of q: k rounded up to whole groups of 128 */
+    int64_t lanes;  /* lanes per row */
 } quantized_x;
+
+/* 32-blocks unpacked together into one pair of 64-byte registers: Q8_0's two blocks fill one,
+ * the nibbles of four blocks of the other types fill two (low nibbles, then high). */
+static int group_blocks(int t) { return t == Q8_0 ? 2 : 4; }
+
+/* Where element e of an activation row goes in xq->q. On AVX-512, register z (0-3) of a K-quant
+ * super-block holds elements 32z.. and 128 + 32z.. (how Q2_K/Q3_K's bit planes and Q6_K's high
+ * bits lie), and a group of four 32-blocks holds each block's elements 0-15, then 16-31 (their
+ * low and high nibbles): each 64 weight bytes then meet 64 consecutive activation bytes.
+ * Elsewhere the natural order. */
+static int64_t act_pos(int t, int64_t e) {
+#if ARCH == 2
+    if (is_k_quant(t)) return e / QK * QK + 64 * (e / 32 % 4) + 32 * (e % QK / 128) + e % 32;
+    if (t != Q8_0) return e / 128 * 128 + 64 * (e % 32 / 16) + 16 * (e / 32 % 4) + e % 16;
+#else
+    (void)t;
+#endif
+    return e;
+}
 
 /* round to nearest, ties to even, for |v| < 2^22 (what the default rounding mode gives) */
 static inline int round_even(float v) { return (int)((v + 12582912.0f) - 12582912.0f); }
 
 /* Row x of k values to int8 blocks of qb: d = amax / 127, q = round(x / d), |x - d q| <= d / 2. */
-static void quantize_row(const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row) {
-    int8_t *q = xq->q + row * k;
-    const int64_t nb = xq->nb;
+static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row) {
+    int8_t *q = xq->q + row * xq->kq;
+    const int64_t nb = xq->nb, lanes = 16 / group_blocks(t);
     for (int64_t b = 0; b < nb; b++) {
         float *d = xq->d + row * nb + b, *ds = xq->ds + row * nb + b;
         int32_t *corr = xq->corr + row * nb + b;
@@ -174,21 +208,28 @@ static void quantize_row(const float *x, int64_t k, int qb, int off, quantized_x
         float amax = 0.0f;
         for (int i = 0; i < qb; i++) amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
+        int sum = 0, part = 0;
         for (int i = 0; i < qb; i++) {
             int r = round_even(v[i] * inv);
             r = r > 127 ? 127 : r < -127 ? -127 : r;
-            q[b * qb + i] = (int8_t)r;
+            q[act_pos(t, b * qb + i)] = (int8_t)r;
             sum += r;
+            part += r;
+            if (i % 16 == 15) {
+                xq->bsum[row * (k / 16) + (b * qb + i) / 16] = (int16_t)part;
+                part = 0;
+            }
         }
         *d = amax / 127.0f;
         *ds = *d * (float)sum;
         *corr = -off * sum;
-        for (int s = 0; s < qb / 16; s++) {
-            int bs = 0;
-            for (int i = 0; i < 16; i++) bs += q[b * qb + 16 * s + i];
-            xq->bsum[row * (k / 16) + b * (qb / 16) + s] = (int16_t)bs;
-        }
+        if (qb == 32 && xq->lane_d)
+            for (int64_t l = 0; l < lanes; l++) {
+                const int64_t at = row * xq->lanes + b * lanes + l;
+                xq->lane_d[at] = *d;
+                xq->lane_ds[at] = l ? 0.0f : *ds;
+                xq->lane_corr[at] = l ? 0 : *corr;
+            }
     }
 }
 
@@ -284,8 +325,11 @@ static void unpack_block_a(int t, const uint8_t *p, uint8_t *u, float *dw, float
 
 static void unpack_row_a(int t, const uint8_t *raw, int64_t k, row_a *w) {
     const int bb = block_bytes(t);
-    for (int64_t o = 0; o < k / 32 * bb; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
-    for (int64_t b = 0; b < k / 32; b++) unpack_block_a(t, raw + b * bb, w->u + 32 * b, w->dw + b, w->dm + b);
+    const uint8_t *ahead = raw + PREFETCH_BYTES;
+    for (int64_t b = 0; b < k / 32; b++) {
+        ahead = prefetch_ahead(ahead, raw + (b + 1) * bb);
+        unpack_block_a(t, raw + b * bb, w->u + 32 * b, w->dw + b, w->dm + b);
+    }
 }
 
 /* -- K-quants: a super-block unpacked to u, w = dw * sc * (u - off) - dm * mn per 16 ---------- */
@@ -447,8 +491,11 @@ static void unpack_block_k(int t, const uint8_t *b, block_k *c) {
 
 static void unpack_row_k(int t, const uint8_t *raw, int64_t k, block_k *c) {
     const int bb = block_bytes(t);
-    for (int64_t o = 0; o < k / QK * bb; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
-    for (int64_t b = 0; b < k / QK; b++) unpack_block_k(t, raw + b * bb, c + b);
+    const uint8_t *ahead = raw + PREFETCH_BYTES;
+    for (int64_t b = 0; b < k / QK; b++) {
+        ahead = prefetch_ahead(ahead, raw + (b + 1) * bb);
+        unpack_block_k(t, raw + b * bb, c + b);
+    }
 }
 
 /* ---- exact dequantisation, rounding as gguf-py: from the unpacked bytes ---------------------- */
@@ -456,6 +503,18 @@ static void unpack_row_k(int t, const uint8_t *raw, int64_t k, block_k *c) {
 /* w = (dw * sc) * (u - off) - dm * mn, per 16 (gguf-py's order of operations for every K-quant;
  * subtracting +0 where there are no mins changes nothing, -0 included). */
 static void deq_block_k(const block_k *c, float *y) {
+#if ARCH >= 1
+    const __m256i off = _mm256_set1_epi32(c->off);
+    for (int s = 0; s < 16; s++) {
+        const __m256 dl = _mm256_set1_ps(c->dw * (float)c->scx[8 * s]), ml = _mm256_set1_ps(c->dm * (float)c->mn[s]);
+        for (int i = 0; i < 16; i += 8) {
+            const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c->u + 16 * s + i)));
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, off));
+            _mm256_storeu_ps(y + 16 * s + i, _mm256_sub_ps(_mm256_mul_ps(dl, q), ml));
+        }
+    }
+    return;
+#endif
     for (int s = 0; s < 16; s++) {
         const float dl = c->dw * (float)c->scx[8 * s], ml = c->dm * (float)c->mn[s];
         for (int i = 0; i < 16; i++) y[16 * s + i] = dl * (float)(c->u[16 * s + i] - c->off) - ml;
@@ -465,8 +524,7 @@ static void deq_block_k(const block_k *c, float *y) {
 /* One row of k elements: raw blocks -> y. Warms the cache PREFETCH_BYTES ahead in the stream. */
 static void deq_row(int t, const uint8_t *raw, int64_t k, float *y) {
     const int be = block_elems(t), bb = block_bytes(t);
-    const int64_t bytes = k / be * bb;
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(raw + o + PREFETCH_BYTES);
+    const uint8_t *ahead = prefetch_ahead(raw + PREFETCH_BYTES, raw + (is_float(t) ? k * bb : 0));
     switch (t) {
     case F32: memcpy(y, raw, (size_t)k * 4); return;
     case F16: {
@@ -484,6 +542,7 @@ static void deq_row(int t, const uint8_t *raw, int64_t k, float *y) {
     if (be == QK) {
         block_k c __attribute__((aligned(64)));
         for (int64_t b = 0; b < k / QK; b++) {
+            ahead = prefetch_ahead(ahead, raw + (b + 1) * bb);
             unpack_block_k(t, raw + b * bb, &c);
             deq_block_k(&c, y + b * QK);
         }
@@ -493,9 +552,17 @@ static void deq_row(int t, const uint8_t *raw, int64_t k, float *y) {
     for (int64_t b = 0; b < k / 32; b++) {
         uint8_t u[32];
         float dw, dm;
+        ahead = prefetch_ahead(ahead, raw + (b + 1) * bb);
         unpack_block_a(t, raw + b * bb, u, &dw, &dm);
         /* d * (q - off), then + m for the types with one (adding +0 would turn -0 into +0) */
+#if ARCH >= 1
+        for (int i = 0; i < 32; i += 8) {
+            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + i)));
+            _mm256_storeu_ps(y + 32 * b + i, _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(off)))));
+        }
+#else
         for (int i = 0; i < 32; i++) y[32 * b + i] = dw * (float)(u[i] - off);
+#endif
         if (has_min_a(t))
             for (int i = 0; i < 32; i++) y[32 * b + i] = y[32 * b + i] + dm;
     }
@@ -520,54 +587,339 @@ static float dot_f32(const float *x, const float *w, int64_t k) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-/* Two 32-blocks per step: dpbusd's lanes 0-7 sum block 2c, lanes 8-15 block 2c + 1; the offset
- * correction -off * sum(q) enters through lanes 0 and 8, so the integer sums stay exact. */
-static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
-    const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
-    const float *d = xq->d + row * nb;
-    const int32_t *corr = xq->corr + row * nb;
-    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 64) {
-        const __mmask64 mask = k - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (k - i)) - 1;
-        const int64_t b = i / 32;
-        const __m512i c = _mm512_maskz_expandloadu_epi32(0x0101, corr + b);
-        const __m512i s = _mm512_dpbusd_epi32(c, _mm512_maskz_loadu_epi8(mask, w->u + i), _mm512_maskz_loadu_epi8(mask, q + i));
-        const __m128 scale = _mm_mul_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(w->dw + b))),
-                                        _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d + b))));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(scale)), acc);
-    }
-    float sum = _mm512_reduce_add_ps(acc);
-    if (has_min_a(t))
-        for (int64_t b = 0; b < k / 32; b++) sum += w->dm[b] * xq->ds[row * nb + b];
-    return sum;
+/* ---- AVX-512 fast mode: weights unpacked in registers and dotted at once -------------------
+ * Each weight row is read once, straight from its blocks; the unpacked bytes stay in registers
+ * and meet up to four activation rows (their q lies in the order the bytes unpack in, act_pos).
+ * Every row's arithmetic is the same whichever rows share the pass. */
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* -- 32-blocks: a group of group_blocks(t) blocks to unsigned bytes u = w / dw + off --------- */
+
+typedef struct {
+    __m512i lo, hi;  /* u: Q8_0's two blocks in lo; else each block's elements 0-15, then 16-31 */
+    __m512 d, m;     /* per int32 lane of the dot products: the block's scale and min */
+} group_a;
+
+/* The bytes of a group at p (g blocks of bb bytes, 64 < g bb <= 128): the first 64, and the last
+ * 64 (overlapping, so both loads stay inside the row). */
+typedef struct { __m512i a, b; } group_bytes;
+
+INLINE group_bytes load_group(const uint8_t *p, int size) {
+    return (group_bytes){_mm512_loadu_si512(p), _mm512_loadu_si512(p + size - 64)};
 }
 
-/* Per super-block: maddubs pairs u * q into int16, dpwssd scales them per 16 into int32; the
- * offset -off * sc * bsum and the mins mn * bsum are int16 dot products with the block sums. */
-static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
-    const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
-    const int16_t *bsum = xq->bsum + row * (k / 16);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
-        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
-        for (int c = 0; c < 4; c += 2) {
-            const __m512i p0 = _mm512_maddubs_epi16(_mm512_load_si512(w->u + 64 * c), _mm512_loadu_si512(q + 64 * c));
-            const __m512i p1 = _mm512_maddubs_epi16(_mm512_load_si512(w->u + 64 * c + 64), _mm512_loadu_si512(q + 64 * c + 64));
-            s0 = _mm512_dpwssd_epi32(s0, p0, _mm512_load_si512(w->scx + 32 * c));
-            s1 = _mm512_dpwssd_epi32(s1, p1, _mm512_load_si512(w->scx + 32 * c + 32));
-        }
-        const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)bsum));
-        s0 = _mm512_dpwssd_epi32(s0, bs, _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)w->offsc)));
-        const __m512i mins = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs,
-                                                 _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)w->mn)));
-        const float dx = xq->d[row * nb + b];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(w->dw * dx), acc);
-        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(w->dm * dx), acc);
+/* Indices into a group_bytes pair (two-source byte permutes) of byte `at` of the group. */
+static inline uint8_t pair_index(int at, int size) { return (uint8_t)(at < 64 ? at : 64 + at - (size - 64)); }
+
+typedef struct {
+    __m512i bytes;  /* the quants: byte p from block p / per, byte off + p % per */
+    __m512i high;   /* Q5_0/Q5_1: the byte of qh that holds the high bit of byte p's low nibble */
+    __m512i high2;  /* ... of its high nibble */
+    __m512i bit;    /* that bit */
+    __m512i words;  /* the f16 scale (and min, 16 lanes on) of each int32 lane's block, as words */
+    __m512i scale8; /* MXFP4: the e8m0 byte of each int32 lane's block, in its low byte */
+} group_index;
+
+/* The permutes that gather a group of type t's fields into lanes (built once per call). */
+static group_index group_index_for(int t) {
+    const int bb = block_bytes(t), g = group_blocks(t), size = g * bb, per = 64 / g, lanes = 16 / g;
+    const int qs = t == Q8_0 ? 2 : t == MXFP4 ? 1 : t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
+    const int qh = t == Q5_0 ? 2 : 4;
+    uint8_t bytes[64], high[64], high2[64], bit[64], scale8[64];
+    int16_t words[32];
+    for (int p = 0; p < 64; p++) {
+        const int blk = p / per, i = p % per;
+        bytes[p] = pair_index(bb * blk + qs + i, size);
+        high[p] = pair_index(bb * blk + qh + i / 8, size);
+        high2[p] = pair_index(bb * blk + qh + 2 + i / 8, size);
+        bit[p] = (uint8_t)(1 << (i % 8));
+        scale8[p] = (uint8_t)(bb * (p / 4 / lanes));
     }
-    return _mm512_reduce_add_ps(acc);
+    for (int l = 0; l < 16; l++) {
+        words[l] = (int16_t)(pair_index(bb * (l / lanes), size) / 2);
+        words[16 + l] = (int16_t)(pair_index(bb * (l / lanes) + 2, size) / 2);
+    }
+    group_index ix;
+    ix.bytes = _mm512_loadu_si512(bytes);
+    ix.high = _mm512_loadu_si512(high);
+    ix.high2 = _mm512_loadu_si512(high2);
+    ix.bit = _mm512_loadu_si512(bit);
+    ix.words = _mm512_loadu_si512(words);
+    ix.scale8 = _mm512_loadu_si512(scale8);
+    return ix;
+}
+
+/* e8m0 bytes (one per int32 lane) to halved float scales, as e8m0_half. */
+INLINE __m512 e8m0_half_lanes(__m512i e) {
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2)), tiny, normal));
+}
+
+INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const group_bytes v = load_group(p, group_blocks(t) * block_bytes(t));
+    const __m512i q = _mm512_permutex2var_epi8(v.a, ix->bytes, v.b);
+    group_a u;
+    u.m = _mm512_setzero_ps();
+    if (t == Q8_0) { /* w + 128 */
+        u.lo = _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+        u.hi = _mm512_setzero_si512();
+    } else {
+        u.lo = _mm512_and_si512(q, m4);
+        u.hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    }
+    if (t == MXFP4) { /* signed values + 12, by table */
+        const __m512i values = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+        u.lo = _mm512_shuffle_epi8(values, u.lo);
+        u.hi = _mm512_shuffle_epi8(values, u.hi);
+        u.d = e8m0_half_lanes(_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a));
+        return u;
+    }
+    if (t == Q5_0 || t == Q5_1) { /* the fifth bit, from qh */
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        const __mmask64 lo = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v.a, ix->high, v.b), ix->bit);
+        const __mmask64 hi = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v.a, ix->high2, v.b), ix->bit);
+        u.lo = _mm512_mask_add_epi8(u.lo, lo, u.lo, sixteen);
+        u.hi = _mm512_mask_add_epi8(u.hi, hi, u.hi, sixteen);
+    }
+    const __m512i words = _mm512_permutex2var_epi16(v.a, ix->words, v.b);
+    u.d = _mm512_cvtph_ps(_mm512_castsi512_si256(words));
+    if (has_min_a(t)) u.m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
+    return u;
+}
+
+/* y[i * ldy] = x[row + i] . w for i < nr: per group, dpbusd sums u * q per block in its lanes
+ * (from -off * sum q, the offset), scaled per lane by dw * dx; the mins add dm * dx * sum q. */
+INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
+                   int64_t ldy, const group_index *ix) {
+    const int g = group_blocks(t), bb = block_bytes(t), size = g * bb;
+    const int64_t groups = k / 32 / g;
+    __m512 acc[4];
+    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+    const uint8_t *ahead = w + PREFETCH_BYTES;
+    uint8_t tail[128] __attribute__((aligned(64)));
+    for (int64_t c = 0; c <= groups; c++) {
+        const uint8_t *p = w + c * size;
+        if (c == groups) { /* the last blocks short of a group: zero padded (their q are zero) */
+            const int left = (int)(k / 32 % g);
+            if (!left) break;
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, p, (size_t)(left * bb));
+            p = tail;
+        } else {
+            ahead = prefetch_ahead(ahead, p + size);
+        }
+        const group_a u = unpack_group(t, p, ix);
+        for (int i = 0; i < nr; i++) {
+            const int64_t r = row + i, lane = r * xq->lanes + 16 * c;
+            const int8_t *q = xq->q + r * xq->kq + 64 * (c * g / 2);
+            __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(xq->lane_corr + lane), u.lo, _mm512_load_si512(q));
+            if (g == 4) s = _mm512_dpbusd_epi32(s, u.hi, _mm512_load_si512(q + 64));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u.d, _mm512_load_ps(xq->lane_d + lane)), acc[i]);
+            if (has_min_a(t)) acc[i] = _mm512_fmadd_ps(u.m, _mm512_load_ps(xq->lane_ds + lane), acc[i]);
+        }
+    }
+    for (int i = 0; i < nr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* -- K-quants: a super-block to four registers of bytes u, w = dw sc (u - off) - dm mn per 16 -- */
+
+typedef struct {
+    __m512i u[4];    /* register z: elements 32z.. and 128 + 32z.. (act_pos) */
+    __m512i sc[4];   /* the scale of each int16 lane of register z's pair products */
+    __m256i offsc;   /* -off * sc per 16 */
+    __m256i mn;      /* the min per 16 */
+    float dw, dm;
+} block_kr;
+
+/* Register z's 128-bit lanes hold sub-blocks of 16 number 2z, 2z + 1, 8 + 2z, 9 + 2z. */
+static const int16_t SPREAD[4][32] = {
+#define SPREAD_ROW(z) {2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z, 2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, \
+    2 * z + 1, 2 * z + 1, 2 * z + 1, 2 * z + 1, 8 + 2 * z, 8 + 2 * z, 8 + 2 * z, 8 + 2 * z, 8 + 2 * z, 8 + 2 * z, \
+    8 + 2 * z, 8 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z, 9 + 2 * z}
+    SPREAD_ROW(0), SPREAD_ROW(1), SPREAD_ROW(2), SPREAD_ROW(3)
+#undef SPREAD_ROW
+};
+
+/* The 16 scales (int16, per 16 elements) to the lanes of each register; the offset's term. */
+INLINE void spread_scales(block_kr *c, __m256i sc, int off) {
+    const __m512i s = _mm512_castsi256_si512(sc);
+    for (int z = 0; z < 4; z++) c->sc[z] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SPREAD[z]), s);
+    c->offsc = _mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-off));
+}
+
+/* Q4_K/Q5_K: the 128 nibble bytes at qs as registers: low nibbles of bytes 0-31 and 64-95, their
+ * high nibbles, then the same of bytes 32-63 and 96-127. */
+INLINE void nibbles_k(const uint8_t *qs, __m512i *u) {
+    const __m512i l0 = _mm512_loadu_si512(qs), l1 = _mm512_loadu_si512(qs + 64), m4 = _mm512_set1_epi8(15);
+    const __m512i a = _mm512_shuffle_i64x2(l0, l1, 0x44), b = _mm512_shuffle_i64x2(l0, l1, 0xee);
+    u[0] = _mm512_and_si512(a, m4);
+    u[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+    u[2] = _mm512_and_si512(b, m4);
+    u[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+}
+
+/* Adds `value` to u where the bit (e / 32) of byte e % 32 of the 32 bytes at h is set (Q3_K's
+ * hmask, Q5_K's qh). */
+INLINE void add_high_bits(const uint8_t *h, __m512i *u, int value) {
+    const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)h));
+    const __m512i first = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8(1), _mm512_set1_epi8(16));
+    for (int z = 0; z < 4; z++) {
+        const __mmask64 set = _mm512_test_epi8_mask(hb, _mm512_slli_epi16(first, z));
+        u[z] = _mm512_mask_add_epi8(u[z], set, u[z], _mm512_set1_epi8((char)value));
+    }
+}
+
+/* Q4_K/Q5_K's eight 6-bit scales and mins, as 16 int16 each per 16 elements. */
+INLINE void scale_min_k(const uint8_t *s, block_kr *c) {
+    uint32_t x[3], a[4];
+    memcpy(x, s, 12);
+    a[0] = x[0] & 0x3f3f3f3fu;
+    a[1] = (x[2] & 0x0f0f0f0fu) | ((x[0] >> 6) & 0x03030303u) << 4;
+    a[2] = x[1] & 0x3f3f3f3fu;
+    a[3] = ((x[2] >> 4) & 0x0f0f0f0fu) | ((x[1] >> 6) & 0x03030303u) << 4;
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a));
+    const __m256i half = _mm256_srli_epi16(_mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1);
+    spread_scales(c, _mm256_permutexvar_epi16(half, v), 0);
+    c->mn = _mm256_permutexvar_epi16(_mm256_add_epi16(half, _mm256_set1_epi16(8)), v);
+}
+
+INLINE void unpack_kr(int t, const uint8_t *b, block_kr *c) {
+    const __m512i m2 = _mm512_set1_epi8(3);
+    c->dw = c->dm = 0.0f;
+    c->mn = _mm256_setzero_si256();
+    switch (t) {
+    case Q4_K: case Q5_K:
+        c->dw = f16(rd16(b));
+        c->dm = f16(rd16(b + 2));
+        nibbles_k(b + (t == Q4_K ? 16 : 48), c->u);
+        if (t == Q5_K) add_high_bits(b + 16, c->u, 16);
+        scale_min_k(b + 4, c);
+        break;
+    case Q6_K: { /* low nibbles of ql 0-31 and 64-95, of 32-63 and 96-127, then their high ones */
+        const __m512i l0 = _mm512_loadu_si512(b), l1 = _mm512_loadu_si512(b + 64), h = _mm512_loadu_si512(b + 128);
+        const __m512i a = _mm512_shuffle_i64x2(l0, l1, 0x44), bq = _mm512_shuffle_i64x2(l0, l1, 0xee);
+        const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+        const __m512i lo[4] = {a, bq, _mm512_srli_epi16(a, 4), _mm512_srli_epi16(bq, 4)};
+        const __m512i hi[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+        for (int z = 0; z < 4; z++) c->u[z] = _mm512_or_si512(_mm512_and_si512(lo[z], m4), _mm512_and_si512(hi[z], m30));
+        c->dw = f16(rd16(b + 208));
+        spread_scales(c, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))), 32);
+        break;
+    }
+    case Q3_K: case Q2_K: { /* 2-bit planes of 64 bytes; Q3_K adds 4 h (q - 4 (1 - h) + 4) */
+        const __m512i q = _mm512_loadu_si512(b + (t == Q3_K ? 32 : 16));
+        for (int z = 0; z < 4; z++) c->u[z] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * z), m2);
+        if (t == Q2_K) {
+            const __m128i s = _mm_loadu_si128((const __m128i *)b);
+            c->dw = f16(rd16(b + 80));
+            c->dm = f16(rd16(b + 82));
+            spread_scales(c, _mm256_cvtepu8_epi16(_mm_and_si128(s, _mm_set1_epi8(15))), 0);
+            c->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(15)));
+            break;
+        }
+        add_high_bits(b, c->u, 4);
+        uint32_t x[3], a[4]; /* 16 six-bit scales: low nibbles from bytes 0-7, high pairs from 8-11 */
+        memcpy(x, b + 96, 12);
+        a[0] = (x[0] & 0x0f0f0f0fu) | (x[2] & 0x03030303u) << 4;
+        a[1] = (x[1] & 0x0f0f0f0fu) | ((x[2] >> 2) & 0x03030303u) << 4;
+        a[2] = ((x[0] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 4) & 0x03030303u) << 4;
+        a[3] = ((x[1] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 6) & 0x03030303u) << 4;
+        c->dw = f16(rd16(b + 108));
+        spread_scales(c, _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a)), _mm256_set1_epi16(32)), 4);
+        break;
+    }
+    }
+}
+
+static int has_offset_k(int t) { return t == Q3_K || t == Q6_K; }
+static int has_min_k(int t) { return t == Q2_K || t == Q4_K || t == Q5_K; }
+
+/* y[i * ldy] = x[row + i] . w for i < nr: per super-block, maddubs pairs u * q into int16 and
+ * dpwssd scales them per 16 into int32 (from the offset's term -off sc bsum); the mins mn bsum
+ * are scaled by dm apart. */
+INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
+                   int64_t ldy) {
+    const int bb = block_bytes(t);
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int i = 0; i < nr; i++) {
+        acc[i] = _mm512_setzero_ps();
+        accm[i] = _mm256_setzero_ps();
+    }
+    const uint8_t *ahead = w + PREFETCH_BYTES;
+    for (int64_t b = 0; b < k / QK; b++) {
+        ahead = prefetch_ahead(ahead, w + (b + 1) * bb);
+        block_kr c;
+        unpack_kr(t, w + b * bb, &c);
+        const __m512 dw = _mm512_set1_ps(c.dw);
+        for (int i = 0; i < nr; i++) {
+            const int64_t r = row + i;
+            const int8_t *q = xq->q + r * xq->kq + QK * b;
+            const __m256i bsum = _mm256_loadu_si256((const __m256i *)(xq->bsum + r * (k / 16) + 16 * b));
+            __m512i s = _mm512_setzero_si512();
+            if (has_offset_k(t)) s = _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, c.offsc));
+            for (int z = 0; z < 4; z++)
+                s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(c.u[z], _mm512_loadu_si512(q + 64 * z)), c.sc[z]);
+            const __m512 dx = _mm512_set1_ps(xq->d[r * xq->nb + b]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i]);
+            if (has_min_k(t)) {
+                const __m256 dmdx = _mm256_mul_ps(_mm256_set1_ps(c.dm), _mm512_castps512_ps256(dx));
+                accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bsum, c.mn)), dmdx, accm[i]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        float sum = _mm512_reduce_add_ps(acc[i]);
+        if (has_min_k(t)) {
+            const __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[i]), _mm256_extractf128_ps(accm[i], 1));
+            const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            sum -= _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+        }
+        y[i * ldy] = sum;
+    }
+}
+
+/* One function per (type, rows at once), so that both are constants inside. */
+typedef void (*rows_fn)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy,
+                        const group_index *ix);
+
+#define ROWS_A(T, N) static void rows_a_##T##_##N(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, \
+                                                   float *y, int64_t ldy, const group_index *ix) { rows_a(T, N, w, k, xq, row, y, ldy, ix); }
+#define ROWS_K(T, N) static void rows_k_##T##_##N(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, \
+                                                   float *y, int64_t ldy, const group_index *ix) { (void)ix; rows_k(T, N, w, k, xq, row, y, ldy); }
+#define FOUR(M, T) M(T, 1) M(T, 2) M(T, 3) M(T, 4)
+FOUR(ROWS_A, Q8_0) FOUR(ROWS_A, MXFP4) FOUR(ROWS_A, Q4_0) FOUR(ROWS_A, Q4_1) FOUR(ROWS_A, Q5_0) FOUR(ROWS_A, Q5_1)
+FOUR(ROWS_K, Q2_K) FOUR(ROWS_K, Q3_K) FOUR(ROWS_K, Q4_K) FOUR(ROWS_K, Q5_K) FOUR(ROWS_K, Q6_K)
+#define TABLE(P, T) {P##_##T##_1, P##_##T##_2, P##_##T##_3, P##_##T##_4}
+
+/* The kernel for type t and n rows (1-4) at once. */
+static rows_fn rows_kernel(int t, int n) {
+    static const rows_fn a[6][4] = {TABLE(rows_a, Q8_0), TABLE(rows_a, MXFP4), TABLE(rows_a, Q4_0),
+                                    TABLE(rows_a, Q4_1), TABLE(rows_a, Q5_0), TABLE(rows_a, Q5_1)};
+    static const rows_fn kq[5][4] = {TABLE(rows_k, Q2_K), TABLE(rows_k, Q3_K), TABLE(rows_k, Q4_K),
+                                     TABLE(rows_k, Q5_K), TABLE(rows_k, Q6_K)};
+    switch (t) {
+    case Q8_0: return a[0][n - 1];
+    case MXFP4: return a[1][n - 1];
+    case Q4_0: return a[2][n - 1];
+    case Q4_1: return a[3][n - 1];
+    case Q5_0: return a[4][n - 1];
+    case Q5_1: return a[5][n - 1];
+    case Q2_K: return kq[0][n - 1];
+    case Q3_K: return kq[1][n - 1];
+    case Q4_K: return kq[2][n - 1];
+    case Q5_K: return kq[3][n - 1];
+    default: return kq[4][n - 1];
+    }
+}
+
+/* Rows a..b of the activations times weight row w, into y[i * ldy]: four rows at a time. */
+static void rows_fast(int t, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
+                      int64_t ldy, const group_index *ix) {
+    for (int64_t i = a; i < b; i += 4) rows_kernel(t, b - i < 4 ? (int)(b - i) : 4)(w, k, xq, i, y + i * ldy, ldy, ix);
 }
 
 #elif ARCH == 1
@@ -597,7 +949,7 @@ static float dot_f32(const float *x, const float *w, int64_t k) {
  * whose pair sums stay under int16's limit (128 * 127 * 2). */
 static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
     const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
+    const int8_t *q = xq->q + row * xq->kq;
     const float *d = xq->d + row * nb;
     const __m256i off = _mm256_set1_epi8((char)offset_a(t)), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
@@ -615,7 +967,7 @@ static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, in
 
 static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
     const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
+    const int8_t *q = xq->q + row * xq->kq;
     const int16_t *bsum = xq->bsum + row * (k / 16);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
@@ -652,7 +1004,7 @@ static float dot_f32(const float *x, const float *w, int64_t k) {
 
 static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, int64_t k) {
     const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
+    const int8_t *q = xq->q + row * xq->kq;
     const int off = offset_a(t);
     float sum = 0.0f;
     for (int64_t b = 0; b < k / 32; b++) {
@@ -667,7 +1019,7 @@ static float dot_a(int t, const row_a *w, const quantized_x *xq, int64_t row, in
 
 static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t k) {
     const int64_t nb = xq->nb;
-    const int8_t *q = xq->q + row * k;
+    const int8_t *q = xq->q + row * xq->kq;
     const int16_t *bsum = xq->bsum + row * (k / 16);
     float sum = 0.0f;
     for (int64_t b = 0; b < k / QK; b++, w++, q += QK, bsum += 16) {
@@ -698,15 +1050,35 @@ void raymoe_blocks_dequantize(int t, const uint8_t *raw, int64_t n, int64_t k, f
 static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* The activation quantisation buffers for m rows (NULL members when out of memory). */
-static quantized_x alloc_x(int64_t m, int64_t k, int qb) {
-    quantized_x xq;
+static void *zalloc64(size_t bytes) {
+    void *p = alloc64(bytes);
+    if (p) memset(p, 0, (bytes + 63) / 64 * 64);
+    return p;
+}
+
+/* The activation quantisation buffers for m rows of type t's blocks of qb (NULL members when out
+ * of memory); q and the lane arrays zeroed, for their padding. */
+static quantized_x alloc_x(int t, int64_t m, int64_t k, int qb) {
+    quantized_x xq = {0};
+    const int g = group_blocks(t);
     xq.nb = (k / qb + 1) / 2 * 2;
-    xq.q = alloc64((size_t)(m * k));
+    xq.kq = (k + 127) / 128 * 128;
+    xq.q = zalloc64((size_t)(m * xq.kq));
     xq.d = alloc64((size_t)(m * xq.nb) * sizeof(float));
     xq.ds = alloc64((size_t)(m * xq.nb) * sizeof(float));
     xq.corr = alloc64((size_t)(m * xq.nb) * sizeof(int32_t));
     xq.bsum = alloc64((size_t)(m * (k / 16)) * sizeof(int16_t) + 64);
+    if (qb == 32) {
+        xq.lanes = (k / 32 + g - 1) / g * 16;
+        xq.lane_d = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
+        xq.lane_ds = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
+        xq.lane_corr = zalloc64((size_t)(m * xq.lanes) * sizeof(int32_t));
+    }
     return xq;
+}
+
+static int x_allocated(const quantized_x *xq) {
+    return xq->q && xq->d && xq->ds && xq->corr && xq->bsum && (!xq->lanes || (xq->lane_d && xq->lane_ds && xq->lane_corr));
 }
 
 static void free_x(quantized_x *xq) {
@@ -715,6 +1087,9 @@ static void free_x(quantized_x *xq) {
     free(xq->ds);
     free(xq->corr);
     free(xq->bsum);
+    free(xq->lane_d);
+    free(xq->lane_ds);
+    free(xq->lane_corr);
 }
 
 /* For each group (g, a, b) in groups[0 .. 3 count): rows a..b of y = rows a..b of x times the
@@ -729,17 +1104,24 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), blocks = (n + NR - 1) / NR;
     quantized_x xq = {0};
     if (mode) {
-        xq = alloc_x(m, k, mode == 2 ? QK : 32);
-        if (!xq.q || !xq.d || !xq.ds || !xq.corr || !xq.bsum) {
+        xq = alloc_x(t, m, k, mode == 2 ? QK : 32);
+        if (!x_allocated(&xq)) {
             free_x(&xq);
             return -1;
         }
     }
     int failed = 0;
+#if ARCH == 2
+    const group_index ix = group_index_for(mode == 1 ? t : Q8_0);
+    const int buffered = mode == 0; /* the fast modes unpack in registers */
+#else
+    const int buffered = 1;
+#endif
 #pragma omp parallel
     {
         /* this thread's unpacked weight row: floats, 32-block bytes and scales, or super-blocks */
-        void *buffer = mode == 0 ? alloc64((size_t)k * sizeof(float))
+        void *buffer = !buffered ? NULL
+                     : mode == 0 ? alloc64((size_t)k * sizeof(float))
                      : mode == 1 ? alloc64((size_t)(k + 64) + 2 * (size_t)xq.nb * sizeof(float))
                                  : alloc64((size_t)(k / QK) * sizeof(block_k));
         row_a wa = {0};
@@ -752,11 +1134,11 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
         if (mode) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++)
-                quantize_row(x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i);
+                quantize_row(t, x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < count * blocks; item++) {
-            if (!buffer) {
+            if (buffered && !buffer) {
                 failed = 1;
                 continue;
             }
@@ -770,16 +1152,22 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
                         deq_row(t, w, k, buffer);
                         wf = buffer;
                     } else {
-                        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(w + o + PREFETCH_BYTES);
+                        prefetch_ahead(w + PREFETCH_BYTES, w + row_bytes);
                     }
                     for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_f32(x + i * ldx, wf, k);
-                } else if (mode == 1) {
+                    continue;
+                }
+#if ARCH == 2
+                rows_fast(t, w, k, &xq, group[1], group[2], y + r, ldy, &ix);
+#else
+                if (mode == 1) {
                     unpack_row_a(t, w, k, &wa);
                     for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_a(t, &wa, &xq, i, k);
                 } else {
                     unpack_row_k(t, w, k, buffer);
                     for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_k(buffer, &xq, i, k);
                 }
+#endif
             }
         }
         free(buffer);

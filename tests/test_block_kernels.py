@@ -1,0 +1,274 @@
+"""kernels.blocks (kernels/csrc/blocks.c): products straight from GGML blocks, against gguf-py's
+dequantisation (bit for bit) and float64 products (within derived error bounds), on this
+machine's build and on the AVX2 and portable builds."""
+from __future__ import annotations
+
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from kernels import blocks
+
+if blocks.library() is None:
+    pytest.skip("no C compiler: the block kernels are unavailable", allow_module_level=True)
+
+TYPES = list(blocks.TYPES)
+FLOATS = (T.F32, T.F16, T.BF16)
+# Byte offsets of the float16 fields (d, dmin, m) in each block format.
+F16_FIELDS = {
+    T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
+    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [],
+}
+VARIANTS = {"native": (None, None), "avx2": ("haswell", 1), "portable": ("x86-64", 0)}
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    """Each build, made the library the module uses."""
+    arch, code = VARIANTS[request.param]
+    lib = blocks.load(arch)
+    assert lib is not None
+    if code is not None:
+        assert lib.raymoe_blocks_arch() == code  # the build really takes that code path
+    monkeypatch.setattr(blocks, "library", lambda: lib)
+    return lib
+
+
+def test_native_build_uses_vnni_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    expected = 2 if "avx512_vnni" in flags and "avx512bw" in flags else 1 if "avx2" in flags else 0
+    assert blocks.library().raymoe_blocks_arch() == expected
+
+
+def block_elems(t) -> int:
+    return GGML_QUANT_SIZES[t][0]
+
+
+def finite_f16_bits(rng, n) -> np.ndarray:
+    """n random finite float16 bit patterns (subnormals and zeros included)."""
+    bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] &= np.uint16(0xFBFF)
+    return bits
+
+
+def random_raw(rng, t, n, k, sane=True) -> torch.Tensor:
+    """[n, row_bytes] random rows of type t. sane: scales of modest size (finite products);
+    otherwise any finite float16 field (subnormals included) and any e8m0 scale."""
+    if t in FLOATS:
+        if t == T.F32:
+            values = rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+        elif t == T.F16:
+            values = (rng.standard_normal((n, k)).astype(np.float16) if sane
+                      else finite_f16_bits(rng, n * k).reshape(n, k)).view(np.uint8)
+        else:
+            values = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).bfloat16()
+            return values.view(torch.uint8).reshape(n, -1).clone()
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(n, -1))
+    elems, size = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
+    for off in F16_FIELDS[t]:
+        if sane:
+            scale = (rng.uniform(1e-3, 1e-2, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+        else:
+            scale = finite_f16_bits(rng, n * (k // elems)).reshape(raw.shape[:2]).view(np.float16)
+        raw[..., off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if t == T.MXFP4 and sane:
+        raw[..., 0] = rng.integers(118, 131, raw.shape[:2])
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def reference(raw: torch.Tensor, t, k) -> torch.Tensor:
+    with np.errstate(over="ignore"):  # MXFP4 scales up to 2^127 overflow to inf, as they should
+        out = gguf.quants.dequantize(raw.numpy(), t)
+    return torch.from_numpy(np.array(out, dtype=np.float32).reshape(raw.shape[0], k))
+
+
+# ---- dequantisation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_bit_exact(variant, t):
+    rng = np.random.default_rng(int(t))
+    k = 2 * max(block_elems(t), 256)
+    raw = random_raw(rng, t, 5, k, sane=False)
+    got = blocks.dequantize_rows(raw, t, k)
+    want = reference(raw, t, k)
+    assert not torch.isnan(want).any()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits, so -0 and +0 differ
+    out = torch.empty_like(want)
+    assert blocks.dequantize_rows(raw, t, k, out=out) is out and torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+# ---- products ------------------------------------------------------------------------------------
+
+def exact_bound(x: torch.Tensor, w: torch.Tensor, chain: int) -> torch.Tensor:
+    """|fl(x . w) - x . w| <= gamma_n sum |x_i w_i|, gamma_n = n u / (1 - n u), for a sum evaluated
+    with at most n - 1 roundings in any term's path, plus the product's (none with an FMA)."""
+    n = chain + 1
+    return n * U / (1 - n * U) * (x.abs().double() @ w.abs().double().T) + 1e-300
+
+
+def grouped_chain(k: int) -> int:
+    """The longest chain of additions in a grouped exact product: every path sums k / 8 products
+    per lane or fewer (8 lanes portable, 4 x 8 AVX2, 4 x 16 AVX-512), then at most 16 adds across
+    lanes and accumulators, and 8 more for a scalar tail (AVX2)."""
+    return k // 8 + 24
+
+
+def fast_bound(x: torch.Tensor, w: torch.Tensor, qb: int) -> torch.Tensor:
+    """Fast mode: each activation block of qb values is rounded to d * q with d = amax / 127, so
+    |x - d q| <= d / 2 per element and |error| <= sum over blocks (d / 2) sum |w| there. On top,
+    float32 rounding: the integer sums are exact; each block's scaling and the accumulation add
+    at most ~48 roundings (k / 32 + 16 for the chains here), and the weights' own scale products
+    differ from the dequantised values by 2 roundings: 1e-5 (about 170 u) of sum |x| |w| covers
+    them with room."""
+    m, k = x.shape
+    d = x.view(m, k // qb, qb).abs().amax(-1) / np.float32(127)
+    w_abs = w.abs().double().view(w.shape[0], k // qb, qb).sum(-1)
+    magnitude = x.abs().double() @ w.abs().double().T
+    return (d.double() / 2) @ w_abs.T * (1 + 1e-6) + 1e-5 * magnitude + 1e-300
+
+
+SHAPES = {"decode": (7, 13, None), "one_block": (1, 1, 1), "tails": (5, 6, 3)}  # M, N, blocks of k
+
+
+def shape(t, name):
+    m, n, nb = SHAPES[name]
+    return m, n, (nb * block_elems(t) if nb else 2 * max(block_elems(t), 256))
+
+
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_grouped_product(variant, t, shape_name):
+    m, n, k = shape(t, shape_name)
+    rng = np.random.default_rng(1000 + int(t))
+    raw = torch.stack([random_raw(rng, t, n, k) for _ in range(2)])
+    w = [reference(raw[g], t, k) for g in range(2)]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(t)))
+    groups = [(1, 0, m // 2), (0, m // 2, m)] if m > 1 else [(1, 0, 1)]
+    for fast in (False, True):
+        out = torch.full((m, n), float("nan"))
+        blocks.grouped_product(x, raw, t, k, groups, out, fast)
+        for g, a, b in groups:
+            want = x[a:b].double() @ w[g].double().T
+            err = (out[a:b].double() - want).abs()
+            exact = exact_bound(x[a:b], w[g], grouped_chain(k))
+            if not fast or t in FLOATS:
+                assert (err <= exact).all(), (err / exact).max()
+                continue
+            bound = fast_bound(x[a:b], w[g], 256 if block_elems(t) == 256 else 32)
+            assert (err <= bound).all(), (err / bound).max()
+            # the bound is far below the naive sum |x| |w| (so the check can fail), and the
+            # activations really were quantised (the result is not exact)
+            assert bound.sum() < 0.05 * (x[a:b].abs().double() @ w[g].abs().double().T).sum()
+            if k >= 256:
+                assert (err > exact).any()
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_many_rows_product(variant, t):
+    m, n, k = 37, 70, 2 * max(block_elems(t), 256)  # 70 rows: a whole tile of 64 and a tail
+    rng = np.random.default_rng(2000 + int(t))
+    raw = random_raw(rng, t, n, k)
+    w = reference(raw, t, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(t)))
+    out = torch.full((m, n), float("nan"))
+    blocks.many_rows_product(x, raw, t, k, out)
+    err = (out.double() - x.double() @ w.double().T).abs()
+    # BLAS may sum the k products in one chain
+    assert (err <= exact_bound(x, w, k + 16)).all()
+
+
+def test_strided_rows():
+    """x and out with row strides larger than their rows (views into wider tensors)."""
+    t, m, n, k = T.Q4_K, 5, 9, 512
+    raw = random_raw(np.random.default_rng(7), t, n, k)
+    x_wide, out_wide = torch.randn(m, k + 40), torch.zeros(m, n + 3)
+    x, out = x_wide[:, 8:8 + k], out_wide[:, 1:1 + n]
+    for fast in (False, True):
+        blocks.grouped_product(x, raw[None], t, k, [(0, 0, m)], out, fast)
+        want = torch.empty(m, n)
+        blocks.grouped_product(x.contiguous(), raw[None], t, k, [(0, 0, m)], want, fast)
+        assert torch.equal(out, want)
+    assert (out_wide[:, 0] == 0).all() and (out_wide[:, n + 1:] == 0).all()
+    blocks.many_rows_product(x, raw, t, k, out)
+    want = torch.empty(m, n)
+    blocks.many_rows_product(x.contiguous(), raw, t, k, want)
+    assert torch.equal(out, want)
+
+
+# ---- determinism ---------------------------------------------------------------------------------
+
+DETERMINISM_TYPES = [T.Q8_0, T.Q4_K, T.Q3_K, T.Q6_K, T.MXFP4, T.Q5_1, T.F16]
+
+
+@pytest.mark.parametrize("t", DETERMINISM_TYPES, ids=lambda t: t.name)
+def test_thread_count_does_not_change_results(t):
+    m, n, k = 9, 150, 512
+    rng = np.random.default_rng(3000 + int(t))
+    raw = torch.stack([random_raw(rng, t, n, k) for _ in range(3)])
+    x = torch.randn(m, k)
+    groups = [(2, 0, 4), (0, 4, 5), (1, 5, 9)]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outs = []
+            for fast in (False, True):
+                out = torch.empty(m, n)
+                blocks.grouped_product(x, raw, t, k, groups, out, fast)
+                outs.append(out)
+            out = torch.empty(m, n)
+            blocks.many_rows_product(x, raw[0], t, k, out)
+            results.append(outs + [out])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("t", DETERMINISM_TYPES, ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_the_others_in_its_group(t):
+    m, n, k = 7, 21, 512
+    rng = np.random.default_rng(4000 + int(t))
+    raw = random_raw(rng, t, n, k)[None]
+    x = torch.randn(m, k)
+    for fast in (False, True):
+        together = torch.empty(m, n)
+        blocks.grouped_product(x, raw, t, k, [(0, 0, m)], together, fast)
+        for i in range(m):
+            alone = torch.empty(1, n)
+            blocks.grouped_product(x[i:i + 1], raw, t, k, [(0, 0, 1)], alone, fast)
+            assert torch.equal(alone[0], together[i])
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+def test_bad_arguments_raise_value_error():
+    k = 256
+    raw = random_raw(np.random.default_rng(0), T.Q4_K, 4, k)
+    x, out = torch.randn(2, k), torch.empty(2, 4)
+    assert blocks.supported(T.Q4_K) and not blocks.supported(T.IQ2_XS)
+    assert blocks.row_bytes(T.Q4_K, 512) == 288 and blocks.row_bytes(T.F32, 3) == 12
+    with pytest.raises(ValueError):
+        blocks.row_bytes(T.Q4_K, 100)  # not whole blocks
+    with pytest.raises(ValueError):
+        blocks.row_bytes(T.IQ2_XS, 256)
+    with pytest.raises(ValueError):
+        blocks.dequantize_rows(raw[:, :-1].contiguous(), T.Q4_K, k)
+    with pytest.raises(ValueError):
+        blocks.dequantize_rows(raw.float(), T.Q4_K, k)
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x, raw[None], T.Q4_K, k, [(1, 0, 2)], out, True)  # no weight 1
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x, raw[None], T.Q4_K, k, [(0, 0, 3)], out, True)  # past the rows
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x.t().contiguous().t(), raw[None], T.Q4_K, k, [(0, 0, 2)], out, True)
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x, raw[None], T.Q4_K, k, [(0, 0, 2)], torch.empty(2, 5), True)
+    with pytest.raises(ValueError):
+        blocks.many_rows_product(x.double(), raw, T.Q4_K, k, out)
