@@ -14,6 +14,7 @@ import torch
 
 from stages.errors import RaymoeError
 from stages.loader import open_model
+from stages.memory import stage_need
 from stages.stage import Stage, StageWeights
 
 
@@ -58,19 +59,33 @@ class ExpertActor:
         return os.getpid()
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"progress": 1})
 class StageActor:
+    """Loads in load() rather than in the constructor, so that load_progress() (its own concurrency group)
+    can answer while the weights are read."""
+
     def __init__(self, model_path: str, layers: tuple[int, int], dtype: str, threads: int, max_model_len: int | None,
                  expert_actors=None):
-        self.init_error = self.group = None
-        try:
-            torch.set_num_threads(threads)
-            model = open_model(model_path, max_model_len)
-            remote = ExpertClient(expert_actors) if expert_actors else None
-            self.stage = Stage(model, range(*layers), dtype, remote_experts=remote)
-            self.hidden_size = model.config.hidden
-        except RaymoeError as e:      # reported by ping(), as a clean one-line error
-            self.init_error = e
+        self.args = (model_path, layers, dtype, threads, max_model_len, expert_actors)
+        self.stage = self.group = None
+        self.loaded = (0, 0)
+
+    def load(self) -> int:
+        model_path, layers, dtype, threads, max_model_len, expert_actors = self.args
+        torch.set_num_threads(threads)
+        model = open_model(model_path, max_model_len)
+        total = stage_need(model, range(*layers), dtype).weight_bytes
+        self.loaded = (0, total)
+        remote = ExpertClient(expert_actors) if expert_actors else None
+        self.stage = Stage(model, range(*layers), dtype, remote_experts=remote,
+                           progress=lambda done: setattr(self, "loaded", (done, total)))
+        self.hidden_size = model.config.hidden
+        return os.getpid()
+
+    @ray.method(concurrency_group="progress")
+    def load_progress(self) -> tuple[int, int]:
+        """(bytes of weights read, bytes to read)."""
+        return self.loaded
 
     def forward(self, batch, hidden=None):
         """Object-store transport: the previous stage's output arrives as this call's argument."""
@@ -122,6 +137,4 @@ class StageActor:
                 "pid": os.getpid()}
 
     def ping(self) -> int:
-        if self.init_error is not None:
-            raise self.init_error
         return os.getpid()

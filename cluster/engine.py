@@ -8,6 +8,7 @@ requests, stream their tokens, cancel them.
 from __future__ import annotations
 
 import os
+import uuid
 
 import ray
 
@@ -63,6 +64,31 @@ def plan_memory(files, spec: PipelineSpec, max_running: int | None) -> int:
     return running
 
 
+def show_loading(ref, spec: PipelineSpec):
+    """While `ref` (the pipeline's start) is pending, a progress bar per stage of the bytes it has read
+    (on a terminal); returns ref."""
+    import sys
+
+    from tqdm import tqdm
+
+    ranges = split_layers(spec.n_layers, spec.pp, spec.split)
+    bars = [tqdm(total=0, unit="B", unit_scale=True, file=sys.stderr, disable=None, leave=False,
+                 desc=f"stage {i} (layers {r.start}-{r.stop - 1})") for i, r in enumerate(ranges)]
+    try:
+        while not ray.wait([ref], timeout=0.5)[0]:
+            for i, bar in enumerate(bars):
+                try:
+                    done, total = ray.get(ray.get_actor(f"{spec.name}-stage{i}").load_progress.remote(), timeout=5)
+                except (ValueError, ray.exceptions.RayError):     # not started yet, or gone
+                    continue
+                bar.total = total
+                bar.update(done - bar.n)
+    finally:
+        for bar in bars:
+            bar.close()
+    return ref
+
+
 def default_threads() -> int:
     """Torch threads per actor. Results depend (in the last bits) on the thread count, so the
     default does not depend on --pp or --ep: every pipeline degree then gives identical outputs."""
@@ -96,7 +122,8 @@ class ClusterEngine:
         slots = pp * (1 + ep)
         spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
                             ep=ep, dtype=dtype, transport=transport, split=split,
-                            threads=threads or default_threads(), max_model_len=max_model_len)
+                            threads=threads or default_threads(), max_model_len=max_model_len,
+                            name=f"raymoe-{uuid.uuid4().hex[:8]}")
         try:
             spec.validate()
         except ValueError as e:
@@ -107,7 +134,7 @@ class ClusterEngine:
         self.coordinator = Coordinator.options(num_cpus=0).remote(
             spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection, max_queued=max_queued,
             stall_timeout=stall_timeout)
-        self._call(self.coordinator.start.remote())
+        self._call(show_loading(self.coordinator.start.remote(), spec))
 
     def _call(self, ref, timeout=None):
         try:

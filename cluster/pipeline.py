@@ -36,6 +36,7 @@ class PipelineSpec:
     split: list[int] | None = None   # layers per stage; even split when None
     use_gpu: bool = False
     max_model_len: int | None = None
+    name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
     stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
 
     def validate(self):
@@ -59,8 +60,9 @@ class Pipeline:
         ray.get(self.pg.ready(), timeout=120)
         self.stages: list = [None] * spec.pp
         self.experts: list[list] = [[] for _ in range(spec.pp)]
+        self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
         for i in range(spec.pp):
-            self._start_stage(i)
+            self._start_stage(i, spec.name and f"{spec.name}-stage{i}")
         self._connect()
 
     def _options(self, bundle: int) -> dict:
@@ -76,7 +78,7 @@ class Pipeline:
             opts["num_cpus"] = 1
         return opts
 
-    def _start_stage(self, i: int):
+    def _start_stage(self, i: int, name: str | None = None):
         s, r = self.spec, self.ranges[i]
         layers = (r.start, r.stop)
         experts = []
@@ -86,12 +88,15 @@ class Pipeline:
                 s.model_path, layers, (j * per, (j + 1) * per), s.dtype, s.threads, s.max_model_len)
                 for j in range(s.ep)]
         self.experts[i] = experts
-        self.stages[i] = StageActor.options(**self._options(i)).remote(s.model_path, layers, s.dtype, s.threads,
-                                                                      s.max_model_len, experts or None)
+        options = {**self._options(i), **({"name": name} if name else {})}
+        self.stages[i] = StageActor.options(**options).remote(s.model_path, layers, s.dtype, s.threads,
+                                                             s.max_model_len, experts or None)
+        self.loading[i] = self.stages[i].load.remote()
 
     def _connect(self):
         """Wait for every actor to load; join the process group for the gloo transport."""
-        ray.get([a.ping.remote() for a in self.stages + [e for ex in self.experts for e in ex]])
+        ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
+        self.loading.clear()
         if self.spec.transport == "gloo":
             address = ray.get(self.stages[0].rendezvous_address.remote())
             ray.get([a.join_group.remote(address, rank, len(self.stages)) for rank, a in enumerate(self.stages)])

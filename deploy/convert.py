@@ -1,4 +1,4 @@
-"""Convert an HF checkpoint to GGUF, with every convention change of DESIGN §3 (qwen35moe) and §5 (gpt-oss).
+"""Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2, gpt-oss §4).
 
     python -m deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
 

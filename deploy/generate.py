@@ -1,4 +1,4 @@
-"""Batch generation: JSONL prompts in, JSONL generations out (DESIGN §2).
+"""Batch generation: JSONL prompts in, JSONL generations out (docs/model-formats.md §1).
 
     python -m deploy.generate --model MODEL --input IN.jsonl --output OUT.jsonl [flags]
 

@@ -169,14 +169,14 @@ def many_rows_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int
 
 def benchmark(megabytes: int = 64, threads: int = 2, repeats: int = 5) -> dict[str, float]:
     """GB/s of weight bytes streamed by a 1-row fast product over a weight of about `megabytes`
-    MB per type (Q4_K, Q8_0, MXFP4), and by numpy's float32 matrix-vector product, best of
+    MB per type (Q8_0, MXFP4, Q3_K, Q4_K, Q6_K), and by numpy's float32 matrix-vector product, best of
     `repeats`; printed and returned."""
     import numpy as np
 
     torch.set_num_threads(threads)
     k = 4096
     results = {}
-    for t in (T.Q4_K, T.Q8_0, T.MXFP4):
+    for t in (T.Q8_0, T.MXFP4, T.Q3_K, T.Q4_K, T.Q6_K):
         n = megabytes * 2**20 // row_bytes(t, k)
         raw = _random_weight(t, n, k)
         x, out = torch.randn(1, k), torch.empty(1, n)
@@ -207,7 +207,8 @@ def _random_weight(t: T, n: int, k: int) -> torch.Tensor:
     elems, size = _SIZES[int(t)]
     raw = torch.randint(0, 256, (n * k // elems, size), dtype=torch.uint8)
     scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    offsets = {T.Q4_K: (0, 2), T.Q8_0: (0,)}.get(t, ())
+    offsets = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q2_K: (80, 82),
+               T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}.get(t, ())
     for o in offsets:
         raw[:, o:o + 2] = scale
     if t == T.MXFP4:

@@ -216,28 +216,36 @@ class GGUFFile:
         """Shape in ggml order (fastest dimension first), as llama.cpp reports it."""
         return self.info(name).shape
 
-    def raw_tensor(self, name: str, leading: range | None = None) -> tuple[torch.Tensor, int]:
+    def raw_tensor(self, name: str, leading: range | None = None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """The tensor's bytes as stored, uint8 [..., rows, bytes per row] in torch order, and its ggml
-        type; with `leading`, only that slice of the slowest dimension (the experts an expert actor holds).
+        type; with `leading`, only that slice of the slowest dimension (the experts an expert actor
+        holds); with `out`, read into it (a view whose rows per leading index are contiguous, e.g. the
+        columns of a fused weight).
 
         Read from the file rather than mapped: a stage's resident memory is then exactly its
         weights, and reading runs at disk speed (see docs/memory.md)."""
         t = self.info(name)
         shape = t.torch_shape
-        rows = int(np.prod(shape[:-1], dtype=np.int64))
-        row_bytes = t.n_bytes // max(rows, 1)
-        start, count = 0, shape[0]
+        row_bytes = t.n_bytes // max(int(np.prod(shape[:-1], dtype=np.int64)), 1)
+        raw_shape, first = (*shape[:-1], row_bytes), 0
         if leading is not None:
             if len(shape) < 2 or not 0 <= leading.start < leading.stop <= shape[0]:
                 raise ModelFormatError(f"{self.path}: tensor {name} {list(shape)} has no slice {leading}")
-            start, count = leading.start, len(leading)
-            shape = (count, *shape[1:])
-        n_bytes = t.n_bytes // t.torch_shape[0] * count if len(shape) > 1 else t.n_bytes
-        out = torch.empty(*shape[:-1], row_bytes, dtype=torch.uint8)
+            raw_shape, first = (len(leading), *raw_shape[1:]), leading.start
+        if out is None:
+            out = torch.empty(raw_shape, dtype=torch.uint8)
+        elif tuple(out.shape) != raw_shape:
+            raise ValueError(f"tensor {name}: {list(raw_shape)} bytes do not fit a buffer of {list(out.shape)}")
+        parts = [out] if out.is_contiguous() else list(out)
+        if not all(part.is_contiguous() for part in parts):
+            raise ValueError(f"tensor {name}: the buffer's rows are not contiguous per leading index")
+        per_leading = t.n_bytes // shape[0] if len(shape) > 1 else t.n_bytes
         with open(t.path, "rb") as f:
-            f.seek(t.data_offset + start * (t.n_bytes // t.torch_shape[0]))
-            if f.readinto(out.numpy().reshape(-1)) != n_bytes:
-                raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
+            f.seek(t.data_offset + first * per_leading)
+            for part in parts:
+                if f.readinto(part.numpy().reshape(-1)) != part.numel():
+                    raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
         return out, t.tensor_type
 
     def get(self, name: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """gpt-oss (GGUF arch `gpt-oss`): attention with per-head sinks, every other layer a sliding window,
 YaRN RoPE, and a top-k MoE of clamped-SwiGLU experts with biases (MXFP4 in the released checkpoints).
 
-Weights use llama.cpp's GGUF conventions (DESIGN §5): tensor names `blk.N.*`; the experts' fused,
+Weights use llama.cpp's GGUF conventions (docs/model-formats.md §4): tensor names `blk.N.*`; the experts' fused,
 interleaved gate/up projection of HF is split into `ffn_gate_exps` (HF's even rows) and `ffn_up_exps`
 (odd rows), each `[E, I, H]`, with their biases split the same way; `ffn_down_exps` is `[E, H, I]`.
 `gptoss_hf.py` maps an HF checkpoint onto these conventions.
@@ -21,7 +21,6 @@ import torch
 
 from kernels.attention import attention
 from kernels.linear import linear
-from kernels.weights import cat_weights
 from kernels.moe import combine_slots, expert_slot_outputs, route_topk_softmax
 from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, yarn_inv_frequencies
 
@@ -301,7 +300,7 @@ def load_experts(cfg: GptOssConfig, w, layer: int, experts: range | None = None)
     """The routed experts of one layer (a slice of them for expert parallelism) as a function
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
-    gate_up = cat_weights([w.matrix(p + "ffn_gate_exps.weight", experts), w.matrix(p + "ffn_up_exps.weight", experts)], dim=1)
+    gate_up = w.matrices([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], 1, experts)
     gate_up_bias = torch.cat((w(p + "ffn_gate_exps.bias", experts), w(p + "ffn_up_exps.bias", experts)), dim=1)
     down, down_bias = w.matrix(p + "ffn_down_exps.weight", experts), w(p + "ffn_down_exps.bias", experts)
 

@@ -5,6 +5,7 @@ own layers through `ModelFiles.weight`.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from kernels.int8 import quantize_rows
-from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight
+from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight, cat_weights
 
 from .errors import ModelFormatError
 from .gguf_file import GGUFFile
@@ -87,7 +88,29 @@ class ModelFiles:
             self._check_shape(name, (*data.shape[:-1], shape[-1]), shape)
             if experts is not None:
                 data = data[experts.start:experts.stop].clone()
-        k = shape[-1]
+        return self._weight(name, data, ggml_type, shape[-1], mode)
+
+    def fused_matrix(self, names: list[str], shapes: list[tuple], mode: str, dim: int, experts: range | None = None):
+        """Weights joined along output dimension `dim`, as kernels.weights.cat_weights joins them; where all
+        are GGUF tensors of one type, their bytes are read straight into the joined buffer (no second copy)."""
+        if mode != "int8" and isinstance(self.source, GGUFFile):
+            infos = [self.source.info(n) for n in names]
+            if len({(i.tensor_type, i.shape[0]) for i in infos}) == 1:
+                for name, shape, info in zip(names, shapes, infos):
+                    self._check_shape(name, info.torch_shape, shape)
+                widths = [shape[dim] for shape in shapes]
+                first = list(shapes[0][:-1]) + [infos[0].n_bytes // math.prod(shapes[0][:-1])]
+                if experts is not None:
+                    first[0] = len(experts)
+                first[dim] = sum(widths)
+                data, start = torch.empty(first, dtype=torch.uint8), 0
+                for name, width in zip(names, widths):
+                    self.source.raw_tensor(name, experts, out=data.narrow(dim, start, width))
+                    start += width
+                return self._weight(names[0], data, infos[0].tensor_type, shapes[0][-1], mode)
+        return cat_weights([self.matrix(n, s, mode, experts) for n, s in zip(names, shapes)], dim)
+
+    def _weight(self, name: str, data: torch.Tensor, ggml_type: int, k: int, mode: str):
         if int(ggml_type) == F32:
             return DenseWeight(data.view(torch.float32).reshape(*data.shape[:-1], k))
         if int(ggml_type) not in BLOCK_TYPES:

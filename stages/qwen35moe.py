@@ -1,7 +1,7 @@
 """Qwen3.5-MoE (GGUF arch `qwen35moe`): Gated DeltaNet layers, every Nth layer gated full attention,
 routed + shared-expert MoE.
 
-Weights use the GGUF conventions throughout (see DESIGN §3): tensor names `blk.N.*`, V heads in
+Weights use the GGUF conventions throughout (see docs/model-formats.md §2): tensor names `blk.N.*`, V heads in
 tiled order (V head vh reads K head vh % n_k_heads), RMSNorm weights with the +1 baked in,
 `ssm_a = -exp(A_log)`. `qwen35moe_hf.py` maps an HF checkpoint onto these conventions.
 """
@@ -214,8 +214,8 @@ class DeltaNetMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
         # The four projections of the input are stacked into one product (fewer, larger products).
-        self.inputs = cat_weights([w.matrix(p + "attn_qkv.weight"), w.matrix(p + "attn_gate.weight"), w.matrix(p + "ssm_beta.weight"),
-                                   w.matrix(p + "ssm_alpha.weight")])
+        self.inputs = w.matrices([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                                  p + "ssm_alpha.weight"], 0)
         self.conv = w(p + "ssm_conv1d.weight")
         self.dt_bias = w(p + "ssm_dt.bias")
         self.a = w(p + "ssm_a")
@@ -286,7 +286,7 @@ class DeltaNetMixer:
 class GatedAttentionMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
-        self.qkv = cat_weights([w.matrix(p + "attn_q.weight"), w.matrix(p + "attn_k.weight"), w.matrix(p + "attn_v.weight")])
+        self.qkv = w.matrices([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], 0)
         self.q_norm = w(p + "attn_q_norm.weight")
         self.k_norm = w(p + "attn_k_norm.weight")
         self.o = w.matrix(p + "attn_output.weight")
@@ -319,7 +319,7 @@ def load_experts(cfg: Qwen35MoeConfig, w, layer: int, experts: range | None = No
     """The routed experts of one layer (a slice of them for expert parallelism) as a function
     (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
     p = f"blk.{layer}."
-    gate_up = cat_weights([w.matrix(p + "ffn_gate_exps.weight", experts), w.matrix(p + "ffn_up_exps.weight", experts)], dim=1)
+    gate_up = w.matrices([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], 1, experts)
     down = w.matrix(p + "ffn_down_exps.weight", experts)
     return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, experts=experts)
 

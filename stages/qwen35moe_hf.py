@@ -1,4 +1,4 @@
-"""Read an HF Qwen3.5-MoE checkpoint as GGUF-convention tensors (names and math of DESIGN §3).
+"""Read an HF Qwen3.5-MoE checkpoint as GGUF-convention tensors (names and math of docs/model-formats.md §2).
 
 This is the single place where the two conventions meet; `deploy.convert` writes what it
 returns, and the model reads it exactly as it reads a GGUF file:

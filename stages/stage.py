@@ -19,8 +19,8 @@ class StageWeights:
     products in the stage's mode (kernels/weights.py); either with `experts`, a slice of the leading
     dimension. Counts the bytes it hands out."""
 
-    def __init__(self, model: ModelFiles, shapes: dict, mode: str):
-        self.model, self.shapes, self.mode = model, shapes, mode
+    def __init__(self, model: ModelFiles, shapes: dict, mode: str, progress=None):
+        self.model, self.shapes, self.mode, self.progress = model, shapes, mode, progress
         self.nbytes = 0
 
     def __call__(self, name: str, experts: range | None = None) -> torch.Tensor:
@@ -29,15 +29,21 @@ class StageWeights:
     def matrix(self, name: str, experts: range | None = None):
         return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts))
 
+    def matrices(self, names: list[str], dim: int, experts: range | None = None):
+        """Weights joined along output dimension `dim` (as kernels.weights.cat_weights), read into one buffer."""
+        return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts))
+
     def _count(self, t):
         self.nbytes += t.nbytes
+        if self.progress:
+            self.progress(self.nbytes)
         return t
 
 
 class Stage:
-    def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None):
+    def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None, progress=None):
         """mode: a key of stages.loader.MODES. remote_experts(layer, x, ids) -> (slots, rows), when routed
-        experts live in expert actors."""
+        experts live in expert actors. progress(bytes) is called as weights are read."""
         if mode not in MODES:
             raise ValueError(f"unknown --dtype {mode!r} (choose from {', '.join(MODES)})")
         self.config = model.config
@@ -46,7 +52,7 @@ class Stage:
         self.last = layers.stop == model.n_layers
         self.mode = mode
         shapes = model.expected_shapes(layers, self.first, self.last)
-        w = self.weights = StageWeights(model, shapes, mode)
+        w = self.weights = StageWeights(model, shapes, mode, progress)
         self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
         self.layers = [model.arch.Layer(model.config, w, i, remote_experts) for i in layers]
         if self.last:

@@ -1,4 +1,4 @@
-"""Tiny HF transformers models built in the tests: the exact float32 oracles (DESIGN §6)."""
+"""Tiny HF transformers models built in the tests: the exact float32 oracles (docs/model-formats.md §5)."""
 from __future__ import annotations
 
 import torch
@@ -64,7 +64,7 @@ def random_mxfp4(g: torch.Generator, experts: int, rows: int, cols: int, exponen
 
 
 def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`LUT[code] * 2^(scale - 127)`, [E, rows, cols] (the formula of DESIGN §5)."""
+    """`LUT[code] * 2^(scale - 127)`, [E, rows, cols] (the formula of docs/model-formats.md §4)."""
     lut = torch.tensor(FP4_VALUES)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()        # [E, R, G, 16, 2]: even, odd
     values = lut[codes].reshape(*blocks.shape[:-1], 32)

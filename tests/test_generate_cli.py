@@ -1,4 +1,4 @@
-"""deploy.generate end to end on the embedded default model: the JSONL contract of DESIGN §2."""
+"""deploy.generate end to end on the embedded default model: the JSONL contract of docs/model-formats.md §1."""
 import json
 import math
 import os

@@ -1,4 +1,4 @@
-"""gpt-oss against transformers' GptOssForCausalLM in float32 (DESIGN §5, §6).
+"""gpt-oss against transformers' GptOssForCausalLM in float32 (docs/model-formats.md §4, §5).
 
 The oracle checkpoint has MXFP4 experts laid out like the released one, YaRN with `truncate: false`,
 and a sliding window (8) much shorter than the prompt (48), so every gpt-oss feature shows in the logits.

@@ -127,9 +127,14 @@ def test_linear_routes_rows_and_strided_views():
 
 def test_without_a_compiler_products_fall_back():
     """CC pointing at a failing compiler: one warning naming the problem, and products still right."""
-    code = ("import torch; from kernels.native import few_rows; from kernels.linear import linear;"
-            "assert few_rows() is None; x, w = torch.randn(3, 64), torch.randn(8, 64);"
-            "assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5); print('ok')")
+    code = ("import gguf, torch; from kernels.native import few_rows; from kernels.linear import linear;"
+            "from kernels import blocks; from kernels.weights import BlockWeight;"
+            "assert few_rows() is None and blocks.library() is None; x, w = torch.randn(3, 64), torch.randn(8, 64);"
+            "assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5);"
+            "q = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0));"
+            "bw = BlockWeight(q, 8, 64, quantize_activations=True); d = bw.dequantize();"
+            "assert torch.allclose(linear(x, bw), x @ d.T, atol=1e-5) and torch.equal(bw.rows(torch.tensor([2])), d[2:3]);"
+            "print('ok')")
     env = {**os.environ, "CC": "false", "RAYMOE_CACHE": os.path.join(os.environ["RAYMOE_CACHE"], "nocc")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

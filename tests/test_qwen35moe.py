@@ -1,4 +1,4 @@
-"""qwen35moe against transformers' Qwen3_5MoeForCausalLM in float32 (DESIGN §4, §6)."""
+"""qwen35moe against transformers' Qwen3_5MoeForCausalLM in float32 (docs/model-formats.md §3, §5)."""
 import json
 import os
 import shutil

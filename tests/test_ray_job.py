@@ -69,7 +69,7 @@ def test_ray_job_submit_batch_generation(head_node, tmp_path):
            "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--pp", "2",
            "--input", str(src), "--output", str(out)]
-    # token authentication is on for the job server: the CLI reads ~/.ray/auth_token (DESIGN §7)
+    # token authentication is on for the job server: the CLI reads ~/.ray/auth_token (docs/model-formats.md §6)
     for _ in range(30):       # the job agent starts a little after the dashboard answers
         proc = subprocess.run(cmd, cwd=ROOT, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
                               text=True, timeout=600)

@@ -284,7 +284,9 @@ static inline int unpack_block_a_simd(int t, const uint8_t *p, uint8_t *u, float
 #endif
 
 /* One 32-block: its bytes u, scale dw and min dm. */
-static void unpack_block_a(int t, const uint8_t *p, uint8_t *u, float *dw, float *dm) {
+/* Not inlined: inlined into deq_row, its byte stores are reloaded as vectors before they retire
+ * (store forwarding fails), 4x slower. */
+__attribute__((noinline)) static void unpack_block_a(int t, const uint8_t *p, uint8_t *u, float *dw, float *dm) {
     *dm = 0.0f;
 #if ARCH >= 1
     if (unpack_block_a_simd(t, p, u, dw)) return;
@@ -356,6 +358,29 @@ static void finish_k(block_k *c, const int *sc, int off) {
 static const int16_t LANES[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
+/* Q4_K/Q5_K's 12 bytes of 6-bit scales and mins at s as 16 bytes: scales 0-7, mins 0-7. With
+ * x0-x2 the three 32-bit words at s: scales 0-3 = x0 & 63, 4-7 = (x2 & 15) | (x0 >> 6) << 4,
+ * mins 0-3 = x1 & 63, 4-7 = (x2 >> 4) | (x1 >> 6) << 4, per byte; computed in a register
+ * (assembling them in memory stalls on store forwarding, ~3x slower decode). */
+static inline __m128i scale_min_bytes_k(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* 16 bytes: inside the block */
+    const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i high = _mm_srli_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+    return _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                        _mm_and_si128(high, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+}
+
+/* Q3_K's sixteen 6-bit scales at s less 32, as int16. With x0-x2 the three 32-bit words at s:
+ * scales 0-3 = (x0 & 15) | (x2 & 3) << 4, 4-7 from x1 and x2 >> 2, 8-11 from x0 >> 4 and x2 >> 4,
+ * 12-15 from x1 >> 4 and x2 >> 6, per byte. */
+static inline __m256i scales_q3_k(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* 16 bytes: inside the block */
+    const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4));
+    const __m128i high = _mm_srlv_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6));
+    const __m128i a = _mm_or_si128(_mm_and_si128(low, _mm_set1_epi8(15)), _mm_slli_epi32(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
+    return _mm256_sub_epi16(_mm256_cvtepu8_epi16(a), _mm256_set1_epi16(32));
+}
+
 /* finish_k from the 16 scales sc and mins mn as int16 lanes. */
 static inline void finish_k_simd(block_k *c, __m256i sc, __m256i mn, int off) {
     c->off = off;
@@ -381,14 +406,7 @@ static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
             _mm256_store_si256((__m256i *)(c->u + 64 * j), _mm256_and_si256(q, m4));
             _mm256_store_si256((__m256i *)(c->u + 64 * j + 32), bits(q, 4, m4));
         }
-        /* the 6-bit scales and mins, four bytes at a time: scales 0-3, 4-7, mins 0-3, 4-7 */
-        uint32_t x[3], a[4];
-        memcpy(x, b + 4, 12);
-        a[0] = x[0] & 0x3f3f3f3fu;
-        a[1] = (x[2] & 0x0f0f0f0fu) | ((x[0] >> 6) & 0x03030303u) << 4;
-        a[2] = x[1] & 0x3f3f3f3fu;
-        a[3] = ((x[2] >> 4) & 0x0f0f0f0fu) | ((x[1] >> 6) & 0x03030303u) << 4;
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a));
+        const __m256i v = _mm256_cvtepu8_epi16(scale_min_bytes_k(b + 4));
         const __m256i half = _mm256_srli_epi16(_mm512_castsi512_si256(_mm512_loadu_si512(LANES)), 1);
         c->dw = f16(rd16(b));
         c->dm = f16(rd16(b + 2));
@@ -419,14 +437,7 @@ static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
                 _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * j),
                                    _mm256_or_si256(bits(q, 2 * j, m2), _mm256_slli_epi16(bits(hm, 4 * h + j, m1), 2)));
         }
-        /* 16 six-bit scales: low nibbles from bytes 0-7, high pairs from bytes 8-11 */
-        uint32_t x[3], a[4];
-        memcpy(x, b + 96, 12);
-        a[0] = (x[0] & 0x0f0f0f0fu) | (x[2] & 0x03030303u) << 4;
-        a[1] = (x[1] & 0x0f0f0f0fu) | ((x[2] >> 2) & 0x03030303u) << 4;
-        a[2] = ((x[0] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 4) & 0x03030303u) << 4;
-        a[3] = ((x[1] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 6) & 0x03030303u) << 4;
-        const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a)), _mm256_set1_epi16(32));
+        const __m256i sc = scales_q3_k(b + 96);
         c->dw = f16(rd16(b + 108));
         c->dm = 0.0f;
         finish_k_simd(c, sc, _mm256_setzero_si256(), 4);
@@ -598,7 +609,8 @@ static float dot_f32(const float *x, const float *w, int64_t k) {
 
 typedef struct {
     __m512i lo, hi;  /* u: Q8_0's two blocks in lo; else each block's elements 0-15, then 16-31 */
-    __m512 d, m;     /* per int32 lane of the dot products: the block's scale and min */
+    __m512 d, m;     /* per int32 lane of the dot products: the block's scale and min; MXFP4: the
+                      * scale's power of two (e - 128: e8m0, halved), applied by scalef */
 } group_a;
 
 /* The bytes of a group at p (g blocks of bb bytes, 64 < g bb <= 128): the first 64, and the last
@@ -650,13 +662,6 @@ static group_index group_index_for(int t) {
     return ix;
 }
 
-/* e8m0 bytes (one per int32 lane) to halved float scales, as e8m0_half. */
-INLINE __m512 e8m0_half_lanes(__m512i e) {
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2)), tiny, normal));
-}
-
 INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
     const __m512i m4 = _mm512_set1_epi8(15);
     const group_bytes v = load_group(p, group_blocks(t) * block_bytes(t));
@@ -674,7 +679,8 @@ INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
         const __m512i values = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
         u.lo = _mm512_shuffle_epi8(values, u.lo);
         u.hi = _mm512_shuffle_epi8(values, u.hi);
-        u.d = e8m0_half_lanes(_mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a));
+        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a);
+        u.d = _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(128.0f));
         return u;
     }
     if (t == Q5_0 || t == Q5_1) { /* the fifth bit, from qh */
@@ -717,7 +723,9 @@ INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
             const int8_t *q = xq->q + r * xq->kq + 64 * (c * g / 2);
             __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(xq->lane_corr + lane), u.lo, _mm512_load_si512(q));
             if (g == 4) s = _mm512_dpbusd_epi32(s, u.hi, _mm512_load_si512(q + 64));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u.d, _mm512_load_ps(xq->lane_d + lane)), acc[i]);
+            const __m512 dx = _mm512_load_ps(xq->lane_d + lane); /* dw dx, rounded once either way */
+            const __m512 scale = t == MXFP4 ? _mm512_scalef_ps(dx, u.d) : _mm512_mul_ps(u.d, dx);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
             if (has_min_a(t)) acc[i] = _mm512_fmadd_ps(u.m, _mm512_load_ps(xq->lane_ds + lane), acc[i]);
         }
     }
@@ -774,14 +782,8 @@ INLINE void add_high_bits(const uint8_t *h, __m512i *u, int value) {
 
 /* Q4_K/Q5_K's eight 6-bit scales and mins, as 16 int16 each per 16 elements. */
 INLINE void scale_min_k(const uint8_t *s, block_kr *c) {
-    uint32_t x[3], a[4];
-    memcpy(x, s, 12);
-    a[0] = x[0] & 0x3f3f3f3fu;
-    a[1] = (x[2] & 0x0f0f0f0fu) | ((x[0] >> 6) & 0x03030303u) << 4;
-    a[2] = x[1] & 0x3f3f3f3fu;
-    a[3] = ((x[2] >> 4) & 0x0f0f0f0fu) | ((x[1] >> 6) & 0x03030303u) << 4;
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a));
-    const __m256i half = _mm256_srli_epi16(_mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1);
+    const __m256i v = _mm256_cvtepu8_epi16(scale_min_bytes_k(s));
+    const __m256i half = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     spread_scales(c, _mm256_permutexvar_epi16(half, v), 0);
     c->mn = _mm256_permutexvar_epi16(_mm256_add_epi16(half, _mm256_set1_epi16(8)), v);
 }
@@ -821,14 +823,8 @@ INLINE void unpack_kr(int t, const uint8_t *b, block_kr *c) {
             break;
         }
         add_high_bits(b, c->u, 4);
-        uint32_t x[3], a[4]; /* 16 six-bit scales: low nibbles from bytes 0-7, high pairs from 8-11 */
-        memcpy(x, b + 96, 12);
-        a[0] = (x[0] & 0x0f0f0f0fu) | (x[2] & 0x03030303u) << 4;
-        a[1] = (x[1] & 0x0f0f0f0fu) | ((x[2] >> 2) & 0x03030303u) << 4;
-        a[2] = ((x[0] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 4) & 0x03030303u) << 4;
-        a[3] = ((x[1] >> 4) & 0x0f0f0f0fu) | ((x[2] >> 6) & 0x03030303u) << 4;
         c->dw = f16(rd16(b + 108));
-        spread_scales(c, _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a)), _mm256_set1_epi16(32)), 4);
+        spread_scales(c, scales_q3_k(b + 96), 4);
         break;
     }
     }
