@@ -91,6 +91,16 @@ class StageActor:
         """Object-store transport: the previous stage's output arrives as this call's argument."""
         return self.stage.forward(batch, hidden)
 
+    def fail_next_forward(self):
+        """Test hook (fault injection): the next forward raises MemoryError, as an allocation that does
+        not fit does."""
+        forward = self.stage.forward
+
+        def out_of_memory(*args):
+            self.stage.forward = forward
+            raise MemoryError("injected: out of memory")
+        self.stage.forward = out_of_memory
+
     # torch.distributed point-to-point transport (gloo on CPU)
     def rendezvous_address(self) -> str:
         import socket

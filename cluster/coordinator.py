@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 import ray
+import torch
 
 from stages.engine import EngineCore
 from stages.errors import RaymoeError, RequestError
@@ -28,11 +29,25 @@ from .pipeline import Pipeline, PipelineSpec
 
 log = logging.getLogger("raymoe.coordinator")
 MAX_RESTARTS = 5
+OOM_ERROR = ("a stage ran out of memory while running this request; lower --max-running or --max-model-len "
+             "(or give the stages more memory)")
 STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before check_health() fails
 
 
 class QueueFullError(RaymoeError):
     """The coordinator's bounded queue is full: try again later (HTTP 503)."""
+
+
+def out_of_memory(e: ray.exceptions.RayError) -> bool:
+    """Whether a failed step ran out of memory: Ray's memory monitor killed the stage (OutOfMemoryError, or an
+    actor death whose exit type Ray records as NODE_OUT_OF_MEMORY), or the stage's forward raised an
+    allocation failure. An actor killed by the kernel's OOM killer reads as any other crash (Ray's message
+    then names the OOM killer only as one possible cause): it is restarted, within MAX_RESTARTS."""
+    if isinstance(e, ray.exceptions.OutOfMemoryError):
+        return True
+    if isinstance(e, ray.exceptions.RayActorError):
+        return "NODE_OUT_OF_MEMORY" in str(e)
+    return isinstance(getattr(e, "cause", None), (MemoryError, torch.OutOfMemoryError))
 
 
 @ray.remote
@@ -207,9 +222,14 @@ class Coordinator:
             self._maybe_inject_fault()
 
     def _maybe_inject_fault(self):
-        """Test hook: kill a stage actor once, right after the Nth micro-batch was launched."""
+        """Test hook: right after the Nth micro-batch was launched, kill a stage actor once, or with
+        kind "oom" make its next forward run out of memory."""
         if self.fault and self.steps + len(self.in_flight) >= self.fault["after_steps"]:
-            ray.kill(self.pipeline.stages[self.fault["stage"]], no_restart=True)
+            stage = self.pipeline.stages[self.fault["stage"]]
+            if self.fault.get("kind") == "oom":
+                stage.fail_next_forward.remote()
+            else:
+                ray.kill(stage, no_restart=True)
             self.fault = {}
 
     async def _run(self):
@@ -240,7 +260,14 @@ class Coordinator:
                 logits = task.result()
             except ray.exceptions.RayError as e:
                 failed = True
-                log.warning("micro-batch failed (%s); restarting the pipeline", type(e).__name__)
+                oom = out_of_memory(e)
+                log.warning("micro-batch failed (%s%s); restarting the pipeline", type(e).__name__,
+                            ", out of memory" if oom else "")
+                if oom:     # recomputing these would rebuild the state that did not fit: they fail
+                    for c in self.in_flight.pop(g)[1]:
+                        if c.seq.seq_id in self.core.sequences:
+                            c.seq.error = OOM_ERROR
+                            self._finish(c.seq, "error")
                 continue
             _, plan, _ = self.in_flight.pop(g)
             self.current = (g, plan)

@@ -84,14 +84,26 @@ def _kib(path: str, key: str) -> int:
     return 0
 
 
+def short_title(pid: int) -> str:
+    """ray::Coordinator, gcs_server, deploy.serve, ...: what a process is, the same across restarts."""
+    args = title(pid).split() or ["?"]
+    if args[0].startswith("ray::"):
+        return args[0].split(".")[0]
+    if os.path.basename(args[0]).startswith("python") and len(args) > 1:
+        return args[args.index("-m") + 1] if "-m" in args[:-1] else os.path.basename(args[1])
+    return os.path.basename(args[0])
+
+
 def tree_memory(root: int) -> dict:
     """RSS summed over the tree (shared pages count once per process), PSS (shared pages split), and
-    the largest processes by RSS."""
+    RSS by kind of process."""
     per = {pid: (_kib(f"/proc/{pid}/status", "VmRSS:"), _kib(f"/proc/{pid}/smaps_rollup", "Pss:"))
            for pid in process_tree(root)}
-    top = sorted(per, key=lambda p: -per[p][0])[:6]
+    by_title = Counter()
+    for pid, (rss, _) in per.items():
+        by_title[short_title(pid)] += rss
     return {"rss_bytes": sum(r for r, _ in per.values()), "pss_bytes": sum(p for _, p in per.values()),
-            "processes": len(per), "top": [[pid, title(pid)[:60], per[pid][0]] for pid in top]}
+            "processes": len(per), "rss_by_process": dict(by_title)}
 
 
 def stage_actor_pids(root: int) -> list[int]:
@@ -118,7 +130,9 @@ def log_tracebacks(session_dir: str) -> Counter:
             if line.startswith("Traceback (most recent call last)"):
                 end = next((x for x in lines[i + 1:] if x and not x[0].isspace()), "?")
                 before = lines[i - 1] if i and not lines[i - 1].startswith("INFO") else ""
-                found[re.sub(r"[0-9a-f]{16,}", "…", f"{before[:60]} | {end[:100]}")] += 1
+                before, end = (re.sub(r"Task-\d+|[0-9a-f]{16,}", "…", re.sub(r"\x1b\[\d+m|\(pid=.*", "", x)).strip()
+                               for x in (before, end))    # colours and ids apart, alike ones group together
+                found[f"{before[:40]} | {end[:100]}"] += 1
     return found
 
 
@@ -489,6 +503,9 @@ async def soak(args, base: str, server: subprocess.Popen | None, server_pid: int
             report["memory"] = {"after_warmup": start_memory, "end": end_memory,
                                 "rss_growth": end_memory["rss_bytes"] / start_memory["rss_bytes"] - 1,
                                 "pss_growth": end_memory["pss_bytes"] / max(1, start_memory["pss_bytes"]) - 1}
+            grew = {k: end_memory["rss_by_process"].get(k, 0) - start_memory["rss_by_process"].get(k, 0)
+                    for k in {**start_memory["rss_by_process"], **end_memory["rss_by_process"]}}
+            report["memory"]["rss_growth_by_process"] = dict(sorted(grew.items(), key=lambda kv: -abs(kv[1])))
         return report
 
 
@@ -515,6 +532,7 @@ def render(report: dict) -> str:
              "  by case:    " + ", ".join(f"{k} ×{v}" for k, v in report["cases"].items())]
     for k in report["kills"]:
         lines.append(f"  stage kill: {k}")
+    lines.append(f"  pipeline restarts: {report['idle_load'].get('restarts')} for {len(report['kills'])} stage kills")
     lines.append(f"  slots leaked: {report['slots_leaked']} (idle load {report['idle_load']}), "
                  f"requests in flight gauge {report['requests_in_flight_gauge']}")
     h = report["health"]
@@ -525,6 +543,8 @@ def render(report: dict) -> str:
         lines.append(f"  memory of the server's tree: RSS {a['rss_bytes'] * mib:.0f} → {b['rss_bytes'] * mib:.0f} MiB "
                      f"({100 * m['rss_growth']:+.1f}%), PSS {a['pss_bytes'] * mib:.0f} → {b['pss_bytes'] * mib:.0f} MiB "
                      f"({100 * m['pss_growth']:+.1f}%), {a['processes']} → {b['processes']} processes")
+        lines.append("    RSS growth by process: " + ", ".join(
+            f"{k} {v * mib:+.0f} MiB" for k, v in list(m["rss_growth_by_process"].items())[:5]))
     for k, v in (report.get("ray_log_tracebacks") or {}).items():
         lines.append(f"  traceback in Ray worker logs ×{v}: {k}")
     if report.get("server_log"):
@@ -632,6 +652,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:        # the server did not start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             report["left_after_stop"] = stop_server(server)

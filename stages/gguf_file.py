@@ -33,11 +33,14 @@ _STRING, _ARRAY = 8, 9
 
 
 def arch_key_reader(meta: dict, arch: str, where: str):
-    """`key(name, default=None)`: the value of `<arch>.<name>`, its default, or a ModelFormatError."""
-    def key(name, default=None):
+    """`key(name, default=None, positive=False)`: the value of `<arch>.<name>`, its default, or a
+    ModelFormatError; `positive` asks for a positive integer (a value that is divided by)."""
+    def key(name, default=None, positive=False):
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise ModelFormatError(f"{where}: missing metadata {arch}.{name}")
+        if positive and (type(value) is not int or value <= 0):
+            raise ModelFormatError(f"{where}: metadata {arch}.{name} must be a positive integer, got {value!r}")
         return value
     return key
 

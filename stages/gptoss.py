@@ -96,6 +96,13 @@ class GptOssConfig:
             raise ModelFormatError(f"{where}: unsupported RoPE scaling {self.rope_scaling!r} (supported: none, yarn)")
         if self.rope_scaling == "yarn" and (self.rope_factor <= 0 or self.rope_original_context <= 0):
             raise ModelFormatError(f"{where}: YaRN needs a positive factor and original context length")
+        yarn = (self.rope_base, self.rope_factor, self.rope_beta_fast, self.rope_beta_slow)
+        # the correction range takes logarithms of these and divides by log(base)
+        if self.rope_scaling == "yarn" and not (all(map(math.isfinite, yarn)) and self.rope_base > 1
+                                                and self.rope_beta_fast > 0 and self.rope_beta_slow > 0):
+            raise ModelFormatError(f"{where}: YaRN needs finite values, rope base > 1 and positive betas, got "
+                                   f"base {self.rope_base}, factor {self.rope_factor}, betas {self.rope_beta_fast}, "
+                                   f"{self.rope_beta_slow}")
 
 
 def llama_cpp_sliding_layers(n_layers: int, pattern: int = 2) -> list:
@@ -107,7 +114,7 @@ def config_from_gguf(meta: dict, where: str) -> GptOssConfig:
     key = arch_key_reader(meta, ARCH, where)
     n_layers = key("block_count")
     n_embd = key("embedding_length")
-    n_head = key("attention.head_count")
+    n_head = key("attention.head_count", positive=True)
     tokens = meta.get("tokenizer.ggml.tokens")
     pattern = meta.get(f"{ARCH}.attention.sliding_window_pattern", 2)
     sliding = llama_cpp_sliding_layers(n_layers, pattern) if isinstance(pattern, int) else [bool(p) for p in pattern]
@@ -261,9 +268,9 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Attention:
     def __init__(self, cfg: GptOssConfig, w, p: str, i: int):
         self.cfg = cfg
-        self.q, self.q_bias = w.matrix(p + "attn_q.weight"), w(p + "attn_q.bias")
-        self.k, self.k_bias = w.matrix(p + "attn_k.weight"), w(p + "attn_k.bias")
-        self.v, self.v_bias = w.matrix(p + "attn_v.weight"), w(p + "attn_v.bias")
+        # q, k and v in one product (one pass over the activations)
+        self.qkv = w.matrices([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], 0)
+        self.qkv_bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
         self.o, self.o_bias = w.matrix(p + "attn_output.weight"), w(p + "attn_output.bias")
         self.sinks = w(p + "attn_sinks.weight")
         self.window = cfg.sliding_window if cfg.is_sliding(i) else None
@@ -281,9 +288,9 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, T = self.cfg, x.shape[0]
-        q = linear(x, self.q, self.q_bias).view(T, c.n_head, c.head_dim)
-        k = linear(x, self.k, self.k_bias).view(T, c.n_kv_head, c.head_dim)
-        v = linear(x, self.v, self.v_bias).view(T, c.n_kv_head, c.head_dim)
+        kv_dim = c.n_kv_head * c.head_dim
+        q, k, v = linear(x, self.qkv, self.qkv_bias).split([c.n_head * c.head_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = (t.reshape(T, -1, c.head_dim) for t in (q, k, v))
         cos, sin = self._rope(ctx)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty_like(q)

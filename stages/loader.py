@@ -167,6 +167,11 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
             raise ModelFormatError(f"{path}: unknown architecture {gguf.architecture!r} "
                                    f"(supported: {', '.join(sorted(archs))})")
         arch = archs[gguf.architecture]
+        # before the architecture loops over its layers: a damaged count must not run for billions
+        n_blocks = gguf.metadata.get(f"{gguf.architecture}.block_count")
+        held = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+        if isinstance(n_blocks, int) and n_blocks > len(held):
+            raise ModelFormatError(f"{path}: block_count {n_blocks}, but the file holds tensors of {len(held)} blocks")
         config = arch.config_from_gguf(gguf.metadata, path)
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)

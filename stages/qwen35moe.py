@@ -89,7 +89,7 @@ class Qwen35MoeConfig:
 def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:
     key = arch_key_reader(meta, ARCH, where)
     n_embd = key("embedding_length")
-    n_head = key("attention.head_count")
+    n_head = key("attention.head_count", positive=True)
     tokens = meta.get("tokenizer.ggml.tokens")
     cfg = Qwen35MoeConfig(
         n_layers=key("block_count") - key("nextn_predict_layers", 0),
@@ -110,7 +110,7 @@ def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:
         k_head_dim=key("ssm.state_size"),
         n_k_heads=key("ssm.group_count"),
         n_v_heads=key("ssm.time_step_rank"),
-        v_head_dim=key("ssm.inner_size") // key("ssm.time_step_rank"),
+        v_head_dim=key("ssm.inner_size") // key("ssm.time_step_rank", positive=True),
         full_attention_interval=key("full_attention_interval", 4),
         context_length=key("context_length"),
     )

@@ -124,3 +124,33 @@ def test_coordinator_death_fails_with_a_clear_message():
                 engine.wait_finished(timeout=1)
     finally:
         engine.shutdown()
+
+
+def test_out_of_memory_fails_its_batch_and_is_not_retried(exact_reference):
+    from cluster.coordinator import OOM_ERROR
+
+    model, expected = exact_reference
+    results, stats = run(model, pp=2, dtype="float32", fault_injection={"stage": 1, "after_steps": 5, "kind": "oom"})
+    assert stats["restarts"] == 1
+    failed = [r for r in results if "error" in r]
+    assert 0 < len(failed) < len(results)
+    assert all(r["error"] == OOM_ERROR for r in failed)
+    for got, want in zip(results, expected):
+        if "error" not in got:
+            assert got["id"] == want["id"] and got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+
+
+def test_out_of_memory_is_told_from_other_deaths():
+    import ray
+
+    from cluster.coordinator import out_of_memory
+
+    assert out_of_memory(ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory."))
+    assert out_of_memory(ray.exceptions.RayActorError(
+        error_msg="The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY"))
+    assert out_of_memory(ray.exceptions.RayTaskError("forward", "", MemoryError()))
+    # an unexpected exit names the OOM killer only as a possible cause: a crash, restarted
+    assert not out_of_memory(ray.exceptions.RayActorError(
+        error_msg="Worker exit type: SYSTEM_ERROR ... (1) The process is killed by SIGKILL by OOM killer due to high "
+                  "memory usage."))
+    assert not out_of_memory(ray.exceptions.RayTaskError("forward", "", ValueError()))

@@ -18,7 +18,7 @@ from stages.sampling import SamplingParams
 
 BASES = (("qwen35moe", "f32"), ("gptoss", "f32"), ("qwen35moe", "q8_0"))
 CASES_PER_BASE = 110
-CASE_SECONDS = 10
+CASE_SECONDS = 30      # a case takes well under a second; the margin is for a loaded CI machine
 HUGE = (2**62, 2**63, 2**64 - 1, 2**32, 2**31 - 1)
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -75,7 +75,7 @@ def header_fields(data: bytes):
 
 def mutate(data: bytes, fields, data_start: int, rng: random.Random) -> tuple[str, bytes]:
     """One seeded mutation: (description, new file bytes)."""
-    kind = rng.choice(("flip", "flip", "bytes", "huge", "truncate", "data", "data"))
+    kind = rng.choice(("flip", "flip", "bytes", "huge", "value", "truncate", "data", "data"))
     if kind == "truncate":
         cut = rng.randrange(data_start + 64) if rng.random() < 0.7 else rng.randrange(data_start, len(data))
         return f"truncate at {cut}", data[:cut]
@@ -86,6 +86,13 @@ def mutate(data: bytes, fields, data_start: int, rng: random.Random) -> tuple[st
         fill = rng.choice((b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff", None))
         out[at:at + n] = (fill * (n // 4) if fill else rng.randbytes(n))[:len(out) - at]
         return f"data {'random' if fill is None else fill.hex()} x{n} at {at}", bytes(out)
+    if kind == "value":      # a config value at an extreme: zero, all ones, NaN, huge, negative
+        _, off, size = rng.choice([f for f in fields if f[0] == "value" or f[0] == "array_items" and f[2] <= 64])
+        fill = rng.choice((b"\x00", b"\xff", b"\x7f", b"\x80", b"\x01"))
+        n = size if size <= 8 else 4          # a scalar, or one element of a small array
+        at = off + rng.randrange(0, size - n + 1, n)
+        out[at:at + n] = fill * n
+        return f"value {fill.hex()} at {at}", bytes(out)
     categories = sorted({c for c, _, _ in fields if kind != "huge" or c.endswith("64")})
     cat = rng.choice(categories)
     _, off, size = rng.choice([f for f in fields if f[0] == cat])
@@ -137,8 +144,6 @@ def bases(tmp_path_factory):
 def test_mutated_gguf_runs_or_is_refused(bases, tmp_path):
     failures, outcomes = [], {"ran": 0, "refused": 0}
     old = signal.signal(signal.SIGALRM, _timeout)
-    # a hang in native code never sees the alarm: dump every thread and exit rather than stall CI
-    faulthandler.dump_traceback_later(60 + CASE_SECONDS * 2, exit=True)
     try:
         for name, data in bases:
             fields, data_start = header_fields(data)
@@ -146,6 +151,8 @@ def test_mutated_gguf_runs_or_is_refused(bases, tmp_path):
             for i in range(CASES_PER_BASE):
                 what, mutated = mutate(data, fields, data_start, random.Random(f"{name}/{i}"))
                 path = _write(tmp_path, mutated)
+                # a hang in native code never sees the alarm: dump every thread and exit rather than stall CI
+                faulthandler.dump_traceback_later(2 * CASE_SECONDS, exit=True)
                 signal.alarm(CASE_SECONDS)
                 try:
                     outcomes[run_case(path)] += 1
