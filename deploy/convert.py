@@ -15,7 +15,6 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 from stages.errors import RaymoeError
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from . import blocks
 from .dense import FEW_ROWS, dense_grouped, dense_linear
-from .int8 import Int8Weight
 
 F32, F16, BF16 = 0, 1, 30
 UNQUANTISED = (F32, F16, BF16)
