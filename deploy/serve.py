@@ -286,8 +286,20 @@ async def _api_error(request, e: APIError):
     return error_response(e)
 
 
+def client_gone(e: Exception) -> bool:
+    """Whether e only says that the client went away: its request was cancelled (Ray cancels the
+    replica's and the coordinator's tasks) or its connection closed mid-body."""
+    from ray.exceptions import TaskCancelledError
+    from starlette.requests import ClientDisconnect
+    return isinstance(e, (TaskCancelledError, ClientDisconnect)) or isinstance(getattr(e, "cause", None),
+                                                                                TaskCancelledError)
+
+
 @api.exception_handler(Exception)
 async def _internal_error(request, e: Exception):
+    if client_gone(e):      # nobody reads the answer: one line, no traceback
+        log.info("client disconnected from %s (%s)", request.url.path, type(e).__name__)
+        return Response(status_code=499)
     log.exception("unhandled error")
     return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
@@ -394,6 +406,9 @@ class RaymoeServer(RaymoeServicer):
         except APIError as e:
             yield sse(e.body())
         except Exception as e:     # the pipeline failed mid-stream: say so in the stream
+            if client_gone(e):
+                log.info("client disconnected from a stream (%s)", type(e).__name__)
+                return
             log.exception("stream failed")
             yield sse(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
         yield SSE_DONE

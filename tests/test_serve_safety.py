@@ -187,3 +187,17 @@ def test_disconnects_log_one_line_and_sigterm_stops_quickly(server):
     print(f"SIGTERM with gRPC on: stopped in {elapsed:.1f} s")
     assert elapsed < 15 and still_running(tree) == [], server.tail()
     assert "Traceback" not in server.tail(100000) and "never retrieved" not in server.tail(100000)
+
+
+def test_a_client_that_went_away_is_not_an_error():
+    """Cancelled requests (Ray cancels the replica's and coordinator's tasks when a client drops) and bodies
+    cut short are logged as one line, not as an unhandled error with a traceback."""
+    from ray.exceptions import RayTaskError, TaskCancelledError
+    from starlette.requests import ClientDisconnect
+
+    from deploy.serve import client_gone
+
+    cancelled_remotely = RayTaskError("stream", "traceback", TaskCancelledError())
+    assert all(client_gone(e) for e in (TaskCancelledError(), ClientDisconnect(), cancelled_remotely,
+                                        cancelled_remotely.as_instanceof_cause()))
+    assert not any(client_gone(e) for e in (ValueError("x"), RayTaskError("f", "tb", ValueError("x"))))
