@@ -60,6 +60,7 @@ class Coordinator:
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
+        self.to_release: list[int] = []                 # finished sequences whose stage caches are still held
         self.next_group = 0
         self.wake = asyncio.Event()
         self.events: dict[int, asyncio.Queue] = {}      # seq_id -> stream of updates
@@ -242,7 +243,10 @@ class Coordinator:
                 self._fail_current(e)
 
     async def _turn(self):
-        """Launch what can run, then wait for a micro-batch and consume it."""
+        """Free finished sequences' caches, launch what can run, then wait for a micro-batch and consume it."""
+        if self.to_release:
+            self.pipeline.release(self.to_release)
+            self.to_release = []
         self._launch()
         self.current = None
         if not self.in_flight:
@@ -314,8 +318,7 @@ class Coordinator:
                 self._finish(seq, "abort")
         for seq in finished:
             self._publish(seq, seq.output_ids[before[seq.seq_id]:], before[seq.seq_id], final=True)
-        if finished:
-            self.pipeline.release([s.seq_id for s in finished])
+        self.to_release.extend(s.seq_id for s in finished)
 
     def _publish(self, seq, new_ids, first_index, final=False):
         queue = self.events.get(seq.seq_id)
@@ -338,7 +341,11 @@ class Coordinator:
 
     def _finish(self, seq, reason):
         self.core.finish(seq, reason)
-        self.pipeline.release([seq.seq_id])
+        # The stages free its caches when the scheduler loop next turns, never from here: Ray cancels
+        # the tasks that a cancelled request (a client that went away) submitted, and a stage whose
+        # ordered queue then misses one waits 30 s and fails.
+        self.to_release.append(seq.seq_id)
+        self.wake.set()
         self._publish(seq, [], len(seq.output_ids), final=True)
 
     async def _recover(self):
