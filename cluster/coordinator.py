@@ -1,7 +1,9 @@
 """The coordinator actor: owns every sequence, schedules micro-batches, keeps the pipeline full.
 
-Up to PP micro-batches (one per micro-batch group, see stages.engine.EngineCore) are in
-flight at once, so every stage has work. When a stage actor dies, the pipeline replaces it
+Every micro-batch group (see stages.engine.EngineCore) may have a batch in flight at once, so
+with at least as many groups as stages every stage has work. Batches are planned round-robin over
+the groups and their results consumed in the order they were planned, whatever the pipeline depth:
+the same requests give the same batches, and the same outputs, at every PP. When a stage actor dies, the pipeline replaces it
 and every live sequence recomputes its caches from its tokens; the outputs are unchanged.
 
 The scheduler loop never ends on an error: an exception it did not expect is logged with its
@@ -64,6 +66,7 @@ class Coordinator:
         self.next_group = 0
         self.wake = asyncio.Event()
         self.events: dict[int, asyncio.Queue] = {}      # seq_id -> stream of updates
+        self.text_sent: dict[int, int] = {}             # seq_id -> characters of its text streamed so far
         self.finished: list[dict] = []
         self.finished_event = asyncio.Event()
         self.fault = dict(fault_injection or {})
@@ -105,7 +108,7 @@ class Coordinator:
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
         seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
-        if self.max_queued is not None and self._must_wait(seq) and self.queued() > self.max_queued:
+        if self.max_queued is not None and self.queued() > self.max_queued:
             self.core.finish(seq, "abort")
             raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
                                  f"cache slot; retry later")
@@ -151,8 +154,9 @@ class Coordinator:
 
     @ray.method(num_returns="streaming")
     async def stream(self, seq_id: int):
-        """Updates of one sequence: {"token_ids": [new ids], "logprobs": [...], "text": full text so far},
-        the last one with "finished": the final result."""
+        """Updates of one sequence: {"token_ids": [new ids], "logprobs": [...], "text_delta": text added since
+        the last update}, the last one with "finished": the final result (whose "text" is the whole text: a
+        stop string may have cut what the deltas held)."""
         queue = self.events.get(seq_id)
         if queue is None:
             raise RequestError(f"unknown sequence {seq_id}")
@@ -169,21 +173,16 @@ class Coordinator:
 
     # ---- load (for a server's metrics and back-pressure) ----------------------------------------
     def queued(self) -> int:
-        """Sequences that cannot run yet because their micro-batch group has no free slot."""
-        return sum(max(0, len(g.running) + len(g.waiting) - g.max_running) for g in self.core.groups)
-
-    def _must_wait(self, seq) -> bool:
-        group = self.core.group_of(seq)
-        return len(group.running) + len(group.waiting) > group.max_running
+        """Sequences that cannot run yet for lack of a free cache slot."""
+        return max(0, self.core.running() + len(self.core.waiting) - self.core.max_running)
 
     def load(self) -> dict:
         """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack
         of a slot (what max_queued bounds); slots: how many sequences can hold caches at once."""
         if self.error:
             raise RaymoeError(self.error)
-        return {"running": sum(len(g.running) for g in self.core.groups),
-                "waiting": sum(len(g.waiting) for g in self.core.groups), "queued": self.queued(),
-                "slots": sum(g.max_running for g in self.core.groups), "max_queued": self.max_queued,
+        return {"running": self.core.running(), "waiting": len(self.core.waiting), "queued": self.queued(),
+                "slots": self.core.max_running, "max_queued": self.max_queued,
                 "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}
 
     def check_health(self):
@@ -198,7 +197,7 @@ class Coordinator:
 
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
-                "first_token_s": list(self.stats["first_token_s"])}
+                "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time()}
 
     def shutdown(self):
         self.pipeline.shutdown()
@@ -206,9 +205,7 @@ class Coordinator:
     # ---- the loop ---------------------------------------------------------------------------
     def _launch(self):
         groups = len(self.core.groups)
-        for _ in range(groups):
-            if len(self.in_flight) >= self.pipeline.spec.pp:
-                return
+        for _ in range(groups):     # every group may be in flight, whatever the pipeline depth (module doc)
             g = self.next_group
             self.next_group = (g + 1) % groups
             if g in self.in_flight:
@@ -253,34 +250,28 @@ class Coordinator:
             self.wake.clear()
             await self.wake.wait()
             return
-        waits = {asyncio.ensure_future(self._gather(g, refs)): g for g, (refs, _, _) in self.in_flight.items()}
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for p in pending:
-            p.cancel()
-        failed = False
-        for task in done:
-            g = waits[task]
-            try:
-                logits = task.result()
-            except ray.exceptions.RayError as e:
-                failed = True
-                oom = out_of_memory(e)
-                log.warning("micro-batch failed (%s%s); restarting the pipeline", type(e).__name__,
-                            ", out of memory" if oom else "")
-                if oom:     # recomputing these would rebuild the state that did not fit: they fail
-                    for c in self.in_flight.pop(g)[1]:
-                        if c.seq.seq_id in self.core.sequences:
-                            c.seq.error = OOM_ERROR
-                            self._finish(c.seq, "error")
-                continue
-            _, plan, _ = self.in_flight.pop(g)
-            self.current = (g, plan)
-            self.steps += 1
-            self.progress_at = time.monotonic()
-            self._consume(logits, plan)
-            self.current = None
-        if failed:
+        # the oldest micro-batch first: results are consumed in the order batches were planned, whatever the
+        # pipeline depth (a stage runs its calls in order, so nothing is lost by waiting for it)
+        g, (refs, plan, _) = next(iter(self.in_flight.items()))
+        try:
+            results = await self._gather(refs)
+        except ray.exceptions.RayError as e:
+            oom = out_of_memory(e)
+            log.warning("micro-batch failed (%s%s); restarting the pipeline", type(e).__name__,
+                        ", out of memory" if oom else "")
+            if oom:     # recomputing these would rebuild the state that did not fit: they fail
+                for c in plan:
+                    if c.seq.seq_id in self.core.sequences:
+                        c.seq.error = OOM_ERROR
+                        self._finish(c.seq, "error")
             await self._recover()
+            return
+        del self.in_flight[g]
+        self.current = (g, plan)
+        self.steps += 1
+        self.progress_at = time.monotonic()
+        self._consume(results, plan)
+        self.current = None
 
     def _fail_current(self, e: Exception):
         """Fail the sequences of the micro-batch the loop was handling when `e` was raised: its plan,
@@ -293,19 +284,19 @@ class Coordinator:
         else:
             self.in_flight.pop(group, None)
             victims = [c.seq for c in plan] if plan else [
-                s for s in self.core.sequences.values() if self.core.group_of(s) is self.core.groups[group]]
+                s for s in self.core.sequences.values() if s.group == group]
         for seq in victims:
             if seq.seq_id in self.core.sequences:
                 seq.error = f"internal error: {type(e).__name__}: {e}"
                 self._finish(seq, "error")
 
-    async def _gather(self, g, refs):
+    async def _gather(self, refs):
         results = await asyncio.gather(*refs)
         return results[-1]
 
-    def _consume(self, logits, plan):
+    def _consume(self, results, plan):
         before = {c.seq.seq_id: len(c.seq.output_ids) for c in plan}
-        finished = self.core.consume(logits, plan)
+        finished = self.core.consume(results, plan)
         now = time.perf_counter()
         for c in plan:
             seq = c.seq
@@ -322,12 +313,14 @@ class Coordinator:
 
     def _publish(self, seq, new_ids, first_index, final=False):
         queue = self.events.get(seq.seq_id)
-        update = {"token_ids": list(new_ids), "text": seq.text,
+        update = {"token_ids": list(new_ids), "text_delta": seq.text[self.text_sent.get(seq.seq_id, 0):],
                   "logprobs": seq.logprobs[first_index:] if seq.logprobs is not None else None}
+        self.text_sent[seq.seq_id] = len(seq.text)
         if final:
             result = seq.result()
             update["finished"] = result
             self.stats["started"].pop(seq.seq_id, None)
+            self.text_sent.pop(seq.seq_id, None)
             if seq.seq_id in self.uncollected:
                 self.uncollected.discard(seq.seq_id)
                 if seq.cancelled and seq.seq_id not in self.streaming:

@@ -1,7 +1,7 @@
 """Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--sections engines,pp,hops,real]
-                           [--real-dir DIR]
+    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--real-dir DIR]
+                           [--sections engines,pp,hops,coordinator,real]
 
 Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
 32 experts top-4, expert FF 512, 32k vocabulary (~450M parameters, ~90M active) as F32 and
@@ -12,7 +12,9 @@ Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
 - pp: aggregate decode tok/s of PP=1, 2, 4 on the Ray cluster with 16 sequences in flight,
   each stage actor's peak RSS next to its weight bytes;
 - hops: per-hop latency of each transport for a decode- and a prefill-sized activation,
-  next to a memcpy of the same bytes.
+  next to a memcpy of the same bytes;
+- coordinator: the coordinator actor's CPU time per step with 64 running sequences on a
+  248k-token vocabulary, greedy and sampled;
 - real (only when named): the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
   deploy.make_synthetic (written to --real-dir when missing): load seconds, peak RSS, prefill,
   batch-1 and 4-sequence decode for raymoe (PP=1, and PP=2 on this node) and llama.cpp.
@@ -443,6 +445,39 @@ def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
     return tok_s, rss
 
 
+def bench_coordinator(quick: bool) -> dict:
+    """The coordinator's CPU time per step with 64 running sequences on a 248k-token vocabulary (the tiny
+    qwen35moe shape, vocabulary padded to Qwen3.5's): what it costs to own the sequences while the last
+    stage samples. Greedy and sampled (temperature 1, top-p 0.9)."""
+    from cluster.engine import ClusterEngine
+    from deploy.make_tiny import qwen35moe_config, qwen35moe_tensors
+
+    path = build_model("qwen35moe-248k", "qwen35moe", qwen35moe_config, qwen35moe_tensors,
+                       {"vocab_size": 248320}, ["f32"])["f32"]
+    n_seqs, n_tokens = 64, (8 if quick else 32)
+    print(f"\n== coordinator: {n_seqs} sequences x {n_tokens} tokens, vocabulary 248320, PP=1, 4 micro-batch groups")
+    out = {}
+    engine = ClusterEngine(path, pp=1, threads=1, max_running=n_seqs, max_model_len=512)
+    try:
+        for name, sampling in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 1.0, "top_p": 0.9})):
+            requests = [(i, {"prompt_token_ids": random_ids(8, i), "max_tokens": n_tokens, "ignore_eos": True,
+                             "seed": i, **sampling}) for i in range(n_seqs)]
+            before, start = engine.stats(), time.perf_counter()
+            engine.submit_many(requests)
+            done = 0
+            while done < n_seqs:
+                done += len(engine.wait_finished(5))
+            after, wall = engine.stats(), time.perf_counter() - start
+            steps = after["steps"] - before["steps"]
+            out[name] = {"cpu_ms_per_step": 1000 * (after["cpu_s"] - before["cpu_s"]) / steps,
+                         "tok_s": n_seqs * n_tokens / wall}
+            print(f"{name:<8} coordinator CPU {out[name]['cpu_ms_per_step']:6.2f} ms/step   "
+                  f"{out[name]['tok_s']:7.1f} tok/s")
+    finally:
+        engine.shutdown()
+    return out
+
+
 def bench_hops(quick: bool) -> dict:
     from cluster.hops import measure_hops
 
@@ -505,9 +540,11 @@ def main(argv=None) -> int:
         print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
     if "engines" in sections:
         report["engines"] = bench_engines(args.quick, args.repeat)
-    if sections & {"pp", "hops"}:
+    if sections & {"pp", "hops", "coordinator"}:
         from cluster.engine import connect_ray
         connect_ray(8)
+    if "coordinator" in sections:
+        report["coordinator"] = bench_coordinator(args.quick)
     if "pp" in sections:
         qwen = build_model("qwen35moe", "qwen35moe", qwen35moe_config, qwen35moe_tensors, QWEN_SHAPE, ["f32"])
         report["pp_tok_s"], report["stage_rss_mb"] = bench_pipeline(qwen["f32"], args.quick)

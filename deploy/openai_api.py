@@ -336,28 +336,28 @@ def chat_response(p: Prepared, result: dict, token_text: TokenText) -> dict:
 # ---- streaming ----------------------------------------------------------------------------------
 
 class TextDeltas:
-    """The engine reports the whole text so far; a client wants pieces whose concatenation is the
-    final text. Two things at the end of the text may still change, so they are held back:
-    an incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives) and a tail that
-    could be the start of a stop string (the final text is cut before a stop string)."""
+    """The engine reports the text each update adds, and at the end the final text, which a stop string
+    may have cut; a client wants pieces whose concatenation is the final text. So a tail that could be
+    the start of a stop string is held back. (The engine holds back incomplete UTF-8 characters.)"""
 
     def __init__(self, stops: list[str] | None = None):
         self.stops = [s for s in (stops or []) if s]
-        self.sent = ""
+        self.sent = self.text = ""
 
     def _stable_length(self, text: str) -> int:
         n = len(text)
-        while n and text[n - 1] == "\ufffd":
-            n -= 1
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, n), 0, -1):
-                if text.endswith(stop[:k], 0, n):
+                if text.endswith(stop[:k]):
                     hold = max(hold, k)
                     break
         return n - hold
 
-    def update(self, text: str) -> str:
+    def update(self, text_delta: str) -> str:
+        """The stable new text after one update's text_delta."""
+        self.text += text_delta
+        text = self.text
         if not text.startswith(self.sent):
             return ""                   # not stable yet after all: wait for more (or the final text)
         n = self._stable_length(text)
@@ -433,7 +433,7 @@ class StreamFormatter:
         return self._chunk(choice)
 
     def update(self, update: dict) -> list[dict]:
-        """Chunks for one engine update ({"token_ids", "text", "logprobs"}, maybe "finished")."""
+        """Chunks for one engine update ({"token_ids", "text_delta", "logprobs"}, maybe "finished")."""
         out = [] if self.started else self.start()
         if "finished" in update:
             result = update["finished"]
@@ -447,7 +447,7 @@ class StreamFormatter:
                 out.append({"id": self.p.id, "object": out[-1]["object"], "created": self.p.created,
                             "model": self.p.model, "choices": [], "usage": usage(**result["usage"])})
             return out
-        chunk = self._content(self.deltas.update(update["text"]), update["token_ids"], update.get("logprobs"))
+        chunk = self._content(self.deltas.update(update["text_delta"]), update["token_ids"], update.get("logprobs"))
         if chunk:
             out.append(chunk)
         return out

@@ -34,11 +34,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, field_validator
 from ray import serve
 
+from deploy.grpc_service import RaymoeServicer
 from deploy.metrics import ServerMetrics
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, TokenText, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, request_error, sse)
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
-from protos.servicer import RaymoeServicer
 from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.errors import RaymoeError, RequestError
 
@@ -310,7 +310,7 @@ async def _internal_error(request, e: Exception):
                   health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,
                   max_constructor_retry_count=1)
 @serve.ingress(api)
-class RaymoeServer(RaymoeServicer):
+class RaymoeServer:
     """The ingress: one replica per pipeline (the pipeline's actors are its children). It also runs
     the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
 
@@ -320,7 +320,7 @@ class RaymoeServer(RaymoeServicer):
         self.grpc_server = None
         if args.grpc_port:
             self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_body_bytes)])
-            add_RaymoeServicer_to_server(self, self.grpc_server)
+            add_RaymoeServicer_to_server(RaymoeServicer(self.serving), self.grpc_server)
             address = f"{_url_host(args.host)}:{args.grpc_port}"
             try:
                 self.grpc_server.add_insecure_port(address)
@@ -445,7 +445,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
                    help="as for deploy.generate: auto computes in the file's format, float32 is exact")

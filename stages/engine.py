@@ -1,9 +1,13 @@
-"""The engine core (sequences, schedulers, what to do with logits) and an in-process engine.
+"""The engine core (sequences, admission, schedulers, what to do with sampled tokens) and an
+in-process engine.
 
-`EngineCore` does no compute: it hands out batches and consumes logits. Sequences are
-spread over a fixed number of micro-batch groups (by sequence id), each with its own
-scheduler, so what goes into every batch depends only on the requests and never on how
-many pipeline stages run them — that is what makes PP=1/2/4 bit-identical.
+`EngineCore` does no compute: it hands out batches and applies what the last stage sampled.
+Running sequences belong to one of a fixed number of micro-batch groups, each with its own
+scheduler; the cache slots (max_running) are shared: a group that plans its next batch admits
+waiting sequences into any free slot, up to an even share of the work. The coordinator plans and
+consumes the groups' batches in one fixed order whatever the pipeline depth, so what goes into
+every batch depends only on the requests and never on how many stages run them — that is what
+makes PP=1/2/4 bit-identical.
 
 `LocalEngine` runs the core with stages in this process: the whole model for one stage,
 or a layer split without any transport, which the tests use to check the split itself.
@@ -12,8 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-
-import torch
+from collections import deque
 
 from .loader import ModelFiles
 from .requests import check_prompt
@@ -23,6 +26,10 @@ from .sequence import Sequence
 from .stage import Stage
 
 log = logging.getLogger("raymoe.engine")
+
+
+class SamplingError(Exception):
+    """The last stage could not sample a sequence's token; the message says why."""
 
 
 def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[range]:
@@ -44,8 +51,9 @@ class EngineCore:
                  max_running: int = 64):
         self.config, self.tokenizer = config, tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
-        self.groups = [Scheduler(max_batch_tokens, prefill_chunk, max(1, max_running // n_groups))
-                       for _ in range(n_groups)]
+        self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
 
@@ -54,27 +62,41 @@ class EngineCore:
         seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
                        self.config.context_length)
         self.sequences[seq.seq_id] = seq
-        self.group_of(seq).add(seq)
+        self.waiting.append(seq)
         return seq
 
-    def group_of(self, seq: Sequence) -> Scheduler:
-        return self.groups[seq.seq_id % len(self.groups)]
+    def running(self) -> int:
+        return sum(len(g.running) for g in self.groups)
 
     def has_work(self) -> bool:
-        return any(g.has_work() for g in self.groups)
+        return bool(self.waiting) or self.running() > 0
 
     def next_batch(self, group: int):
-        return self.groups[group].next_batch()
+        """Admit waiting sequences into the group (free slots, up to its even share of all work), then plan
+        its next batch."""
+        scheduler, running = self.groups[group], self.running()
+        share = -(-(running + len(self.waiting)) // len(self.groups))
+        while self.waiting and running < self.max_running and len(scheduler.running) < share:
+            seq = self.waiting.popleft()
+            seq.group = group
+            scheduler.running.append(seq)
+            running += 1
+        return scheduler.next_batch()
 
-    def consume(self, logits: torch.Tensor, plan) -> list[Sequence]:
-        """Apply one batch's logits: prompt logprobs, sampling, stop checks. Returns finished sequences
-        (their caches in the stages are the caller's to release); a sequence whose sampling raised is
-        among them, with its error set."""
+    def consume(self, results: list[tuple], plan) -> list[Sequence]:
+        """Apply what the last stage sampled for one batch (per chunk: token, its logprobs, prompt logprobs);
+        returns the finished sequences (their caches in the stages are the caller's to release). A sequence
+        whose update raised is among them, with its error set."""
         finished = []
-        for c in plan:
+        for c, result in zip(plan, results):
             seq = c.seq
             try:
-                self._apply(seq, c, logits)
+                if isinstance(result, str):
+                    raise SamplingError(result)
+                seq.record(c.length, *result)
+            except SamplingError as e:      # the last stage logged it with its traceback
+                seq.error = f"internal error: {e}"
+                seq.finish_reason = "error"
             except Exception as e:     # a bug or bad numbers in this sequence: it alone fails
                 log.exception("sequence %s (request %r) failed", seq.seq_id, seq.request_id)
                 seq.error = f"internal error: {type(e).__name__}: {e}"
@@ -84,23 +106,15 @@ class EngineCore:
                 finished.append(seq)
         return finished
 
-    def _apply(self, seq: Sequence, c, logits: torch.Tensor):
-        at_tip = c.start + c.length == len(seq.tokens)
-        if c.all_rows:
-            rows = logits[c.logit_row:c.logit_row + c.length]
-            seq.record_prompt_logprobs(c.start, torch.log_softmax(rows, -1))
-            last = rows[-1]
-        else:
-            last = logits[c.logit_row] if at_tip else None
-        seq.n_cached += c.length
-        if at_tip:
-            seq.append_token(last)
-
     def finish(self, seq: Sequence, reason: str | None = None):
         """Remove a sequence (done, or cancelled with `reason`)."""
         if reason is not None and seq.finish_reason is None:
             seq.finish_reason = reason
-        self.group_of(seq).drop(seq)
+        if seq.group is None:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        else:
+            self.groups[seq.group].drop(seq)
         self.sequences.pop(seq.seq_id, None)
 
     def forget_caches(self) -> list[int]:
@@ -112,23 +126,17 @@ class EngineCore:
 
 class LocalEngine(EngineCore):
     def __init__(self, model: ModelFiles, n_stages: int = 1, mode: str = "auto",
-                 scheduler: Scheduler | None = None, n_groups: int = 1):
-        super().__init__(model.config, model.tokenizer, n_groups)
+                 scheduler: Scheduler | None = None):
+        super().__init__(model.config, model.tokenizer)
         if scheduler is not None:
             self.groups = [scheduler]
         self.model = model
         self.stages = [Stage(model, r, mode) for r in split_layers(model.n_layers, n_stages)]
-        self._next_group = 0
 
     def step(self) -> list[Sequence]:
-        """Run the next non-empty group's batch through every stage; returns the sequences that finished."""
-        for _ in range(len(self.groups)):
-            group = self._next_group
-            self._next_group = (self._next_group + 1) % len(self.groups)
-            planned = self.next_batch(group)
-            if planned is not None:
-                break
-        else:
+        """Run the next batch through every stage; returns the sequences that finished."""
+        planned = self.next_batch(0)
+        if planned is None:
             return []
         batch, plan = planned
         x = None

@@ -1,7 +1,8 @@
 """Sampling parameters, their validation, and per-sequence samplers.
 
-Each sequence has its own torch.Generator, so a seeded request draws the same tokens
-whatever else shares its batch. Logprobs are the log-softmax of the raw logits (before
+The last pipeline stage samples (sample_chunks). Each draw is a function of the sequence's seed
+and the token's position (uniform), so a seeded request draws the same tokens whatever else shares
+its batch and whichever PP degree, expert placement or transport runs it. Logprobs are the log-softmax of the raw logits (before
 temperature, top-k or top-p).
 
 Validation bounds every value by what the arithmetic can bear: a temperature below
@@ -11,13 +12,14 @@ most MAX_STOP_CHARS characters each.
 """
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from .errors import RequestError
 
+log = logging.getLogger("raymoe.sampling")
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5     # below it (and above 0) sampling is greedy: logits / temperature would overflow
 MAX_STOPS = 16
@@ -99,32 +101,87 @@ def logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> dict:
     top = []
     if k:
         values, ids = torch.topk(logprobs, k)
-        top = [[int(i), float(v)] for i, v in zip(ids, values)]
+        top = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]
     return {"token_id": int(token), "logprob": float(logprobs[token]), "top": top}
 
 
-class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
+MASK64 = (1 << 64) - 1
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """One token from a float32 logits row [V]."""
-        p = self.params
-        if p.temperature < MIN_TEMPERATURE:
-            return int(torch.argmax(logits))
-        # relative to the best logit, so the scaled values are <= 0 and never overflow to +inf
-        scaled = (logits - logits.max()) / p.temperature
-        if p.top_k > 0 and p.top_k < scaled.shape[0]:
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            drop[0] = False            # a top_p that is 0 in float32 (5e-324) still keeps the best token
-            sorted_probs[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+def uniform(seed: int, position: int) -> float:
+    """The random number in [0, 1) of a sequence's token `position`: a counter-based stream (splitmix64
+    of seed and position), so that whichever stage samples, after whatever restart, the same seed
+    draws the same value for the same position."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 11) / 2.0 ** 53
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: int) -> int:
+    """One token from a float32 logits row [V]: greedy below MIN_TEMPERATURE, else temperature, top-k and
+    top-p, then the token where uniform(seed, position) falls in the cumulative distribution."""
+    if p.temperature < MIN_TEMPERATURE:
+        return int(torch.argmax(logits))
+    # relative to the best logit, so the scaled values are <= 0 and never overflow to +inf
+    scaled = (logits - logits.max()) / p.temperature
+    if p.top_k > 0 and p.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False            # a top_p that is 0 in float32 (5e-324) still keeps the best token
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    cdf = probs.double().cumsum(0)
+    token = int(torch.searchsorted(cdf, uniform(seed, position) * float(cdf[-1]), right=True))
+    # the product can round up to the total: then the last token that has any probability
+    return token if token < len(cdf) else int(probs.nonzero()[-1])
+
+
+@dataclass
+class ChunkSampling:
+    """What the last stage does with one chunk's logits (stages/scheduler.py builds it). `targets` are the
+    prompt tokens whose logprobs are wanted, predicted by the logit rows from `first`; `tip` is the logit row
+    of the chunk's last token when a new token follows it (else None)."""
+    first: int = 0
+    targets: list[int] = field(default_factory=list)
+    prompt_k: int = 0
+    tip: int | None = None
+    params: SamplingParams | None = None
+    seed: int = 0
+    position: int = 0              # how many tokens the sequence has generated before this one
+
+
+def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling]) -> list:
+    """Per chunk (token or None, its logprob entry or None, [prompt logprob entries]), or a one-line error
+    message when that chunk's sampling raised (a bug or bad numbers: its sequence alone fails, the step
+    does not). Greedy chunks without logprobs (the common case) share one argmax over their rows."""
+    plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
+             and c.params.logprobs is None]
+    best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
+    out = []
+    for c in chunks:
+        try:
+            out.append(best[c.tip] if c.tip in best and not c.targets else _sample_chunk(logits, c))
+        except Exception as e:
+            log.exception("sampling failed (seed %s, position %s)", c.seed, c.position)
+            out.append(f"{type(e).__name__}: {e}")
+    return [(r, None, []) if isinstance(r, int) else r for r in out]
+
+
+def _sample_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
+    prompt = []
+    if c.targets:
+        rows = torch.log_softmax(logits[c.first:c.first + len(c.targets)], -1)
+        prompt = [logprob_entry(rows[r], t, c.prompt_k) for r, t in enumerate(c.targets)]
+    token = entry = None
+    if c.tip is not None:
+        row = logits[c.tip]
+        token = sample_token(row, c.params, c.seed, c.position)
+        if c.params.logprobs is not None:
+            entry = logprob_entry(torch.log_softmax(row, -1), token, c.params.logprobs)
+    return token, entry, prompt

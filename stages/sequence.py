@@ -1,21 +1,10 @@
 """One request's life: its tokens, how far the caches have got, what it has produced."""
 from __future__ import annotations
 
-import torch
+import os
 
-from .sampling import Sampler, SamplingParams, logprob_entry
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix (usually all of a: decoding one more token appends)."""
-    if b.startswith(a):
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from .detokenizer import Detokenizer
+from .sampling import ChunkSampling, SamplingParams
 
 
 class Sequence:
@@ -24,14 +13,17 @@ class Sequence:
         self.seq_id, self.request_id = seq_id, request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.sampler = Sampler(params)
+        # unseeded requests get a random seed: every draw is a function of (seed, position)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.tokenizer, self.eos_ids, self.context_length = tokenizer, eos_ids, context_length
         self.output_ids: list[int] = []
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.n_cached = 0                # tokens whose effect is in every stage's cache
+        self.group: int | None = None    # its micro-batch group once admitted (stages/engine.py)
         self.finish_reason: str | None = None
         self.text = ""
+        self.detokenizer = Detokenizer(tokenizer)
         self.cancelled = False           # set by the server when the client went away
         self.error: str | None = None
 
@@ -48,43 +40,53 @@ class Sequence:
         """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
         return self.n_cached, min(limit, len(self.tokens) - self.n_cached)
 
-    def wants_all_rows(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+    def sampling(self, start: int, length: int) -> ChunkSampling:
+        """What the last stage computes for the chunk (start, length): the logprobs of the prompt tokens it
+        predicts that are not recorded yet (kept from before a recompute), and the next token at the tip."""
+        c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids))
+        if self.prompt_logprobs is not None:
+            # row r predicts token start + r + 1; the next one to record is len(prompt_logprobs)
+            first = max(len(self.prompt_logprobs), start + 1)
+            c.targets = self.prompt_ids[first:min(start + length + 1, len(self.prompt_ids))]
+            c.first, c.prompt_k = first - start - 1, self.params.prompt_logprobs
+        if start + length == len(self.tokens):
+            c.tip = length - 1
+        return c
 
-    def record_prompt_logprobs(self, start: int, logprobs: torch.Tensor):
-        """logprobs[r] is the model's prediction after token start + r, i.e. of prompt token start + r + 1.
-        Entries already recorded (before a recompute) are kept."""
-        k = self.params.prompt_logprobs
-        for r in range(logprobs.shape[0]):
-            target = start + r + 1
-            if target == len(self.prompt_logprobs) and target < len(self.prompt_ids):
-                self.prompt_logprobs.append(logprob_entry(logprobs[r], self.prompt_ids[target], k))
+    def record(self, length: int, token: int | None, entry: dict | None, prompt_entries: list[dict]):
+        """Apply what the last stage returned for a chunk of `length` tokens."""
+        self.n_cached += length
+        if prompt_entries:
+            self.prompt_logprobs.extend(prompt_entries)
+        if token is not None:
+            self.append_token(token, entry)
 
-    def append_token(self, logits: torch.Tensor):
-        token = self.sampler.sample(logits)
+    def append_token(self, token: int, entry: dict | None = None):
         self.output_ids.append(token)
         if self.logprobs is not None:
-            self.logprobs.append(logprob_entry(torch.log_softmax(logits, -1), token, self.params.logprobs))
-        self._update_text_and_finish(token)
-
-    def _update_text_and_finish(self, token: int):
-        ends = token in self.eos_ids and not self.params.ignore_eos
-        ids = self.output_ids[:-1] if ends else self.output_ids
-        before, self.text = self.text, self.tokenizer.decode(ids, skip_special_tokens=True)
-        if ends:
+            self.logprobs.append(entry)
+        if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
+            self.text += self.detokenizer.finish()
             return
-        # No stop occurred in the text before this token, so a new occurrence ends after the part
-        # both texts share: only that tail is scanned (the first occurrence, as a full scan finds).
-        same = _common_prefix(before, self.text)
+        seen = len(self.text)
+        self.text += self.detokenizer.add(token)
+        done = len(self.output_ids) >= self.params.max_tokens or len(self.tokens) >= self.context_length
+        if done:
+            self.text += self.detokenizer.finish()
+        if not self._stopped(seen) and done:
+            self.finish_reason = "length"
+
+    def _stopped(self, seen: int) -> bool:
+        """Whether a stop string occurs in the text: only text added after `seen` can hold a new one (the
+        first occurrence, as a full scan finds). The text is cut before it."""
         for stop in self.params.stop:
-            at = self.text.find(stop, max(0, same - len(stop) + 1))
+            at = self.text.find(stop, max(0, seen - len(stop) + 1))
             if at >= 0:
                 self.text = self.text[:at]
                 self.finish_reason = "stop"
-                return
-        if len(self.output_ids) >= self.params.max_tokens or len(self.tokens) >= self.context_length:
-            self.finish_reason = "length"
+                return True
+        return False
 
     def result(self) -> dict:
         if self.error:

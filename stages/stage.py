@@ -12,6 +12,7 @@ from kernels.norms import rms_norm
 
 from .batch import StepBatch, StepContext
 from .loader import MODES, ModelFiles
+from .sampling import sample_chunks
 
 
 class StageWeights:
@@ -80,7 +81,8 @@ class Stage:
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes batch.token_ids, later stages the previous stage's hidden states.
 
-        Returns hidden states [T, H], or on the last stage float32 logits for batch.logit_rows.
+        Returns hidden states [T, H]; on the last stage, per chunk what batch.sampling asks for (tokens and
+        logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
         """
         x = lookup_rows(self.embed, batch.token_ids) if self.first else hidden
         ctx = StepContext(batch=batch, positions=batch.positions(),
@@ -93,4 +95,5 @@ class Stage:
             if not self.last:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
-            return linear(x, self.head).float()
+            logits = linear(x, self.head).float()
+        return logits if batch.sampling is None else sample_chunks(logits, batch.sampling)

@@ -10,7 +10,7 @@ from cluster.coordinator import Coordinator
 from cluster.pipeline import PipelineSpec
 from stages.errors import RaymoeError
 from stages.loader import open_model
-from stages.sampling import Sampler
+from stages import sampling
 from stages.stage import Stage
 
 GREEDY = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0}
@@ -61,14 +61,14 @@ async def results_of(coord, requests: dict) -> dict:
 
 
 def test_a_failing_sequence_fails_alone(model, monkeypatch, caplog):
-    sample = Sampler.sample
+    sample = sampling.sample_token
 
-    def faulty(self, logits):
-        if self.params.seed == 13:
+    def faulty(logits, params, seed, position):
+        if seed == 13:
             raise RuntimeError("injected sampling failure")
-        return sample(self, logits)
+        return sample(logits, params, seed, position)
 
-    monkeypatch.setattr(Sampler, "sample", faulty)
+    monkeypatch.setattr(sampling, "sample_token", faulty)
 
     async def go():
         coord = coordinator(model)

@@ -160,11 +160,10 @@ def test_stop_strings_stream_exactly_the_final_text(client):
 
 def test_text_deltas_hold_back_what_may_change():
     d = TextDeltas(["END"])
-    pieces = [d.update("ab"), d.update("abE"), d.update("abEN"), d.update("abENx\ufffd"), d.update("abENxé"),
-              d.final("abENxé!")]
+    pieces = [d.update("ab"), d.update("E"), d.update("N"), d.update("x"), d.update("é"), d.final("abENxé!")]
     assert pieces == ["ab", "", "", "ENx", "é", "!"]
     d = TextDeltas(["END"])
-    assert d.update("abE") == "ab" and d.update("abEN") == "" and d.final("ab") == ""
+    assert d.update("abE") == "ab" and d.update("N") == "" and d.final("ab") == ""
     assert d.sent == "ab"
 
 

@@ -1,7 +1,7 @@
-"""The raymoe.Raymoe gRPC service (protos/raymoe.proto) as methods of the Serve ingress.
+"""The raymoe.Raymoe gRPC service (protos/raymoe.proto).
 
-The ingress replica runs a grpc.aio server with these methods (deploy.serve.RaymoeServer); the
-class using this mixin provides `self.serving` (deploy.serve.Serving). Errors map to gRPC status
+The Serve ingress replica (deploy.serve.RaymoeServer) runs a grpc.aio server with a
+RaymoeServicer over its `Serving` (the engine, tokenizer and metrics the HTTP routes use too). Errors map to gRPC status
 codes: bad request INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED,
 pipeline down UNAVAILABLE, no or wrong API key UNAUTHENTICATED (metadata `authorization: Bearer
 KEY`), anything else INTERNAL. A client that cancels a stream frees its sequence at once.
@@ -18,7 +18,7 @@ from deploy.openai_api import APIError, TextDeltas, check_text_size, usage
 from stages.errors import RequestError
 from stages.requests import check_prompt, prompt_ids
 
-from . import raymoe_pb2 as pb
+from protos import raymoe_pb2 as pb
 
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                 404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -73,6 +73,9 @@ async def _abort(grpc_context, e: APIError):
 
 
 class RaymoeServicer:
+    def __init__(self, serving):
+        self.serving = serving
+
     async def _authenticate(self, grpc_context):
         if not self.serving.authorized(dict(grpc_context.invocation_metadata()).get("authorization")):
             await grpc_context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -124,7 +127,7 @@ class RaymoeServicer:
                     message.finish_reason = result["finish_reason"]
                     message.usage.CopyFrom(pb.Usage(**usage(**result["usage"])))
                 else:
-                    message.text = deltas.update(update["text"])
+                    message.text = deltas.update(update["text_delta"])
                 if first:
                     message.prompt_token_ids.extend(line["prompt_token_ids"])
                     first = False
