@@ -22,6 +22,7 @@ import sys
 import tempfile
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -128,12 +129,25 @@ def score(logits: torch.Tensor, piece: Piece, result: ModeResult, spill, reading
     result.same_top += int((ref.argmax(-1) == logp.argmax(-1)).sum())
 
 
+def call(make):
+    """make(), with a stage's error as the one-line RaymoeError it carries."""
+    import ray
+
+    from cluster.engine import unwrap
+    try:
+        return make()
+    except ray.exceptions.RayTaskError as e:
+        raise unwrap(e) from None
+    except ray.exceptions.RayActorError as e:
+        raise RaymoeError(f"a stage actor died ({type(e).__name__}); the Ray logs say why") from None
+
+
 def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits, bar):
     """Start a pipeline in `mode`, run every step through it (up to 2 x PP steps in flight, so every stage
     has work) and hand each step's logits to on_logits(logits, piece), in order."""
     import ray
 
-    from cluster.engine import default_threads, plan_memory, unwrap
+    from cluster.engine import default_threads, plan_memory
     from cluster.pipeline import Pipeline, PipelineSpec
 
     spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=args.pp,
@@ -145,14 +159,6 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
         raise RaymoeError(str(e)) from None
     window = 2 * args.pp
     plan_memory(files, spec, min(window, n_chunks))       # a step's chunk, and the chunks of those in flight
-    def call(make):
-        try:
-            return make()
-        except ray.exceptions.RayTaskError as e:
-            raise unwrap(e) from None
-        except ray.exceptions.RayActorError as e:
-            raise RaymoeError(f"a stage actor died ({type(e).__name__}); the Ray logs say why") from None
-
     bar.set_description(f"{mode}: loading")
     pipeline = call(lambda: Pipeline(spec))
     bar.set_description(mode)
@@ -224,7 +230,7 @@ def measure(args) -> dict:
             with open(spill_path, "rb" if reading else "wb") as spill, \
                     tqdm(total=n_chunks * args.ctx, unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
                 run_mode(args, files, path, mode, pieces(ids, args.ctx, n_chunks, args.batch, bos), n_chunks,
-                         lambda logits, piece: score(logits, piece, result, spill, reading), bar)
+                         partial(score, result=result, spill=spill, reading=reading), bar)
             results.append(result)
     ref = results[0] if reference else None
     summaries = [r.summary(ref if i > 0 else None) for i, r in enumerate(results)]
@@ -236,8 +242,8 @@ def measure(args) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['model']}: {report['chunks']} chunks of {report['ctx']} tokens, {report['scored_tokens']} "
-             f"scored (the second half of each chunk), pp={report['pp']}",
+    lines = [(f"{report['model']}: {report['chunks']} chunks of {report['ctx']} tokens, {report['scored_tokens']} "
+              f"scored (the second half of each chunk), pp={report['pp']}, batch={report['batch']}"),
              f"{'mode':<10}{'PPL':>12}{'ΔPPL':>12}{'KL mean':>12}{'KL p99':>12}{'KL max':>12}{'top-1':>9}"]
     for r in report["results"]:
         if "kl_mean" in r:

@@ -46,8 +46,9 @@ def report(model, tmp_path_factory):
 
 def chunks(hf_dir, text):
     import tokenizers
-    ids = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).encode(
-        open(text, encoding="utf-8").read(), add_special_tokens=False).ids
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    with open(text, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read(), add_special_tokens=False).ids
     return [torch.tensor(ids[c * CTX:(c + 1) * CTX]) for c in range(CHUNKS)]
 
 
