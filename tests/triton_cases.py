@@ -181,14 +181,14 @@ def check_routing(device: str) -> None:
 
 # --------------------------------------------------------------------------------------------- attention
 
-def check_attention(device: str) -> None:
+def check_attention(device: str, d: int = 16) -> None:
     """Decode (1 query) and a prefill chunk (20 queries, more than one 16-row tile) over a 70-key cache,
     GQA 4:2; plain, sliding window with sinks (gpt-oss), and the output gate (Qwen), against
     kernels/attention.py (times sigmoid(gate)). A score's dot product of D terms is off by <= D U |q||k|
     scale, which exp turns into a relative error of each probability; the online softmax's rescaling and
     the sums over Tk keys add (Tk + 16) U: |error| <= 2 U max|v| (D max|q||k| scale + Tk + 16)."""
     g = torch.Generator().manual_seed(4)
-    d, tk, scale = 16, 70, 0.25
+    tk, scale = 70, d ** -0.5
     k, v = torch.randn(tk, 2, d, generator=g), torch.randn(tk, 2, d, generator=g)
     k_pos = torch.arange(tk)
     sinks = torch.randn(4, generator=g)
@@ -221,14 +221,14 @@ def _delta_inputs(t: int, h: int, dk: int, dv: int, seed: int):
     return q, k, v, decay_log, beta, state
 
 
-def check_delta_rule(device: str) -> None:
+def check_delta_rule(device: str, dk: int = 16, dv: int = 32, chunk: int = 16) -> None:
     """Recurrent (prefill token by token) and chunked (37 tokens: two full 16-token chunks and a padded
     one) against kernels/deltanet.py's recurrent form, and the batched decode step against
     delta_rule_step. With |k| = 1, 0 <= beta <= 1 and decay <= 1 a token's update is a contraction, so
     rounding errors add up rather than grow: per token <= (dk + 8) U max|S| (the reads of dk products, the
     update's few operations), and the chunked form's triangular solve and chunk products add C U more:
     |error| <= T (dk + C + 8) U max(|S|, |v|) for outputs and state."""
-    t, h, dk, dv, chunk = 37, 2, 16, 32, 16
+    t, h = 37, 2
     q, k, v, g, beta, state = _delta_inputs(t, h, dk, dv, 5)
     want_y, want_s = cpu_deltanet.delta_rule_recurrent(q, k, v, g, beta, state.clone())
     size = max(want_s.abs().max(), v.abs().max(), state.abs().max())
@@ -251,13 +251,13 @@ def check_delta_rule(device: str) -> None:
     assert_within(got_states, want_states, (dk + 8) * U * size, "delta rule step: states")
 
 
-def check_causal_conv1d(device: str) -> None:
+def check_causal_conv1d(device: str, c: int = 80) -> None:
     """Prefill (2 sequences x 6 tokens) and decode (1 token, so the new state keeps old state rows),
     kernel 4, 80 channels (two channel tiles, the second partial), against kernels/deltanet.py. The new
     state is a copy: exact. Each output sums K products then applies silu (slope < 1.1):
     |error| <= (K + 8) U sum|x||w| + 8 U |y|."""
     g = torch.Generator().manual_seed(8)
-    c, kernel = 80, 4
+    kernel = 4
     weight = torch.randn(c, kernel, generator=g)
     for t in (6, 1):
         x, state = torch.randn(2, t, c, generator=g), torch.randn(2, kernel - 1, c, generator=g)
@@ -276,3 +276,9 @@ CASES = ([(f"dequantize {t.name}", lambda device, t=t: check_dequantize(t, devic
          + [("linear", check_linear), ("rms_norm", check_rms_norm), ("rope", check_rope),
             ("routing", check_routing), ("attention", check_attention), ("delta rule", check_delta_rule),
             ("causal conv1d", check_causal_conv1d)])
+# the models' own sizes (gpt-oss head 64, Qwen3.5 head 256, DeltaNet heads 128 x 128 in 64-token chunks,
+# Qwen3.5-35B-A3B's 8192 conv channels): slower in the interpreter, run by tests/gpu/run.py
+MODEL_SIZE_CASES = [("attention, head 64", lambda device: check_attention(device, 64)),
+                    ("attention, head 256", lambda device: check_attention(device, 256)),
+                    ("delta rule, 128 x 128, chunk 64", lambda device: check_delta_rule(device, 128, 128, 64)),
+                    ("causal conv1d, 8192 channels", lambda device: check_causal_conv1d(device, 8192))]

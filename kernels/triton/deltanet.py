@@ -163,7 +163,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
 @triton.jit
 def _history(x_seq, s_seq, i, ch, mask, C, KERNEL: tl.constexpr):
     """Value i of a sequence's history, the state's KERNEL-1 rows then x's rows, for channels ch."""
-    index = tl.full(ch.shape, i, tl.int32)
+    index = ch * 0 + i
     xv = tl.load(x_seq + (index - (KERNEL - 1)) * C + ch, mask=mask & (index >= KERNEL - 1), other=0.0)
     sv = tl.load(s_seq + index * C + ch, mask=mask & (index < KERNEL - 1), other=0.0)
     return tl.where(index >= KERNEL - 1, xv, sv)
