@@ -73,6 +73,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"q_pos {tuple(q_pos.shape)} k_pos {tuple(k_pos.shape)}")
     power_of_two(d, "head size")
+    if d < 16:
+        raise ValueError(f"head size must be at least 16 (tl.dot tiles), got {d}")
     check_device(q, k, v, q_pos, k_pos, sinks, gate)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)

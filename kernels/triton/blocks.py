@@ -239,7 +239,9 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor
     _check_raw(raw, ggml_type, k, 2)
     if ids is None:
         ids = torch.arange(raw.shape[0], device=raw.device)
-    ids = ids.to(torch.int64)
+    if ids.dim() != 1:
+        raise ValueError(f"row ids must be 1-d, got shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64).contiguous()
     check_device(raw, ids)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= raw.shape[0]):
         raise ValueError(f"row ids out of range for {raw.shape[0]} rows")

@@ -105,8 +105,6 @@ def _check(q, k, v, g, beta, state, lead: tuple) -> None:
                          "(all float32, state contiguous)")
     power_of_two(dk, "dk")
     power_of_two(dv, "dv")
-    if dv % BLOCK_V and dv > BLOCK_V:
-        raise ValueError(f"dv must be a multiple of {BLOCK_V}, got {dv}")
     check_device(q, k, v, g, beta, state)
 
 
@@ -144,19 +142,21 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """Same contract as `delta_rule_recurrent`, computed `chunk` tokens at a time (a power of two, >= 16)."""
+    """Same contract as `delta_rule_recurrent`, computed `chunk` tokens at a time. The chunk's products
+    are tl.dot tiles, at least 16 wide on the GPU: chunk, dk and dv must be at least 16."""
     _check(q, k, v, g, beta, state, tuple(g.shape))
     T, H, dk = q.shape
     dv = v.shape[-1]
     if state.shape != (H, dk, dv):
         raise ValueError(f"state {tuple(state.shape)} does not fit {H} heads")
     power_of_two(chunk, "chunk")
+    if min(chunk, dk, dv) < 16:
+        raise ValueError(f"the chunked form needs chunk, dk and dv >= 16, got {chunk}, {dk}, {dv}")
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    block_v = min(BLOCK_V, dv)
     if T and H:
-        _chunked_kernel[(H, dv // block_v)](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+        _chunked_kernel[(H, dv // BLOCK_V)](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                             beta.contiguous(), state, out, T, H, dk ** -0.5, DK=dk, DV=dv,
-                                            BLOCK_V=block_v, C=max(chunk, 16))
+                                            BLOCK_V=BLOCK_V, C=chunk)
     return out, state
 
 

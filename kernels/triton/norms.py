@@ -30,10 +30,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
                          f"do not fit x {tuple(x.shape)}")
     check_device(x, weight, gate)
     x = x.contiguous()
-    gate = gate.contiguous() if gate is not None else x
     out = torch.empty_like(x)
     rows = x.numel() // d if d else 0
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight.contiguous(), gate, out, d, eps, BLOCK=triton.next_power_of_2(d),
-                                  GATED=gate is not x)
+        gate_arg = gate.contiguous() if gate is not None else x       # not read when GATED is off
+        _rms_norm_kernel[(rows,)](x, weight.contiguous(), gate_arg, out, d, eps, BLOCK=triton.next_power_of_2(d),
+                                  GATED=gate is not None)
     return out
