@@ -38,19 +38,34 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str) -> No
                              f"(got {got[i]:.6g}, expected {want[i]:.6g}); {int(bad.sum())} of {err.numel()} over")
 
 
-def random_blocks(rng: np.random.Generator, t: T, rows: int, k: int) -> torch.Tensor:
-    """uint8 [rows, row_bytes] of type t: random bytes with float16 fields of modest size (finite products)
-    and MXFP4 scales near 1; float types hold normal random values."""
+def _finite_bits(rng: np.random.Generator, shape, bits: int, exponent_mask: int) -> np.ndarray:
+    """Random `bits`-wide float bit patterns, any finite value (subnormals and zeros included)."""
+    dtype = {16: np.uint16, 32: np.uint32}[bits]
+    x = rng.integers(0, 1 << bits, size=shape, dtype=np.uint64).astype(dtype)
+    x[(x & exponent_mask) == exponent_mask] &= dtype(~(exponent_mask & -exponent_mask) & ((1 << bits) - 1))
+    return x
+
+
+def random_blocks(rng: np.random.Generator, t: T, rows: int, k: int, sane: bool = True) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of type t, random bytes. sane: float16 fields of modest size and MXFP4
+    scales near 1 (finite products), float types normal random values; otherwise any finite float16
+    field or value and any e8m0 scale (subnormals, zeros and extremes: for bit-exact decoding)."""
     qk, size = GGML_QUANT_SIZES[t]
     if t in (T.F32, T.F16, T.BF16):
+        if not sane:
+            bits, mask = {T.F32: (32, 0x7F800000), T.F16: (16, 0x7C00), T.BF16: (16, 0x7F80)}[t]
+            return torch.from_numpy(_finite_bits(rng, (rows, k), bits, mask).view(np.uint8).reshape(rows, -1))
         values = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32))
         dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[t]
         return values.to(dtype).view(torch.uint8).reshape(rows, -1).clone()
     raw = rng.integers(0, 256, size=(rows, k // qk, size), dtype=np.uint8)
     for offset in F16_FIELDS.get(t, []):
-        scale = (rng.standard_normal((rows, k // qk, 1)) * 0.01).astype(np.float16)
+        if sane:
+            scale = (rng.standard_normal((rows, k // qk, 1)) * 0.01).astype(np.float16)
+        else:
+            scale = _finite_bits(rng, (rows, k // qk, 1), 16, 0x7C00)
         raw[..., offset:offset + 2] = scale.view(np.uint8)
-    if t == T.MXFP4:
+    if t == T.MXFP4 and sane:
         raw[..., 0] = rng.integers(120, 128, size=(rows, k // qk))
     return torch.from_numpy(raw.reshape(rows, -1))
 
@@ -64,12 +79,12 @@ def block_row_length(t: T) -> int:
 # --------------------------------------------------------------------------------------------- GGML blocks
 
 def check_dequantize(t: T, device: str) -> None:
-    """Bit for bit against kernels/dequant.py (itself bit-exact against gguf-py): the decoder does the same
-    float32 operations in the same order (the GPU build runs with fused multiply-adds off), and the
-    float16/e8m0 scale conversions are exact."""
+    """Bit for bit against kernels/dequant.py (itself bit-exact against gguf-py), on any finite scales and
+    values: the decoder does the same float32 operations in the same order (the GPU build runs with fused
+    multiply-adds off), and the float16/e8m0 scale conversions are exact."""
     rng = np.random.default_rng(int(t))
     k = block_row_length(t)
-    raw = random_blocks(rng, t, 5, k)
+    raw = random_blocks(rng, t, 5, k, sane=False)
     want = dequantize(raw, t)
     got = blocks.dequantize_rows(raw.to(device), t, k).cpu()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{t.name}: dequantisation not bit-exact"
