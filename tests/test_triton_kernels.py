@@ -1,0 +1,37 @@
+"""The Triton kernels (kernels/triton) in Triton's interpreter on CPU tensors, against the CPU kernels,
+within the bounds tests/triton_cases.py derives; tests/gpu/run.py runs the same cases compiled on a GPU."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"      # before triton is first imported: @triton.jit reads it then
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton_cases  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from kernels.triton import attention, blocks, deltanet, launch  # noqa: E402
+
+
+@pytest.mark.parametrize("check", [fn for _, fn in triton_cases.CASES], ids=[name for name, _ in triton_cases.CASES])
+def test_kernel_matches_cpu(check):
+    check("cpu")
+
+
+def test_bad_inputs_get_one_line_errors(monkeypatch):
+    x, out = torch.randn(2, 256), torch.empty(2, 4)
+    with pytest.raises(ValueError, match="raw rows of 100 bytes, expected 144 for Q4_K"):
+        blocks.linear(x, torch.zeros(4, 100, dtype=torch.uint8), T.Q4_K, 256, out)
+    with pytest.raises(ValueError, match="unsupported GGML type"):
+        blocks.linear(x, torch.zeros(4, 144, dtype=torch.uint8), T.IQ2_XS, 256, out)
+    with pytest.raises(ValueError, match="out of range"):
+        blocks.grouped_product(x, torch.zeros(1, 4, 144, dtype=torch.uint8), T.Q4_K, 256, [(1, 0, 2)], out)
+    with pytest.raises(ValueError, match="row ids out of range"):
+        blocks.dequantize_rows(torch.zeros(4, 144, dtype=torch.uint8), T.Q4_K, 256, torch.tensor([4]))
+    with pytest.raises(ValueError, match="head size must be a power of two"):
+        q = torch.randn(1, 2, 24)
+        attention.attention(q, q, q, torch.zeros(1), torch.zeros(1), 1.0)
+    with pytest.raises(ValueError, match="state .* does not fit"):
+        v = torch.randn(3, 2, 16)
+        deltanet.delta_rule_recurrent(v, v, v, v[..., 0], v[..., 0], torch.zeros(2, 16, 8))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        launch.check_device(x)
