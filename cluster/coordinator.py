@@ -114,7 +114,7 @@ class Coordinator:
                                  f"cache slot; retry later")
         if not collect:
             self.uncollected.add(seq.seq_id)
-        self.events[seq.seq_id] = asyncio.Queue()
+            self.events[seq.seq_id] = asyncio.Queue()
         self.stats["started"][seq.seq_id] = time.perf_counter()
         self._ensure_loop()
         self.wake.set()
@@ -158,6 +158,8 @@ class Coordinator:
         the last update}, the last one with "finished": the final result (whose "text" is the whole text: a
         stop string may have cut what the deltas held)."""
         queue = self.events.get(seq_id)
+        if queue is None and seq_id in self.core.sequences:     # a batch job's sequence: updates from now on
+            queue = self.events[seq_id] = asyncio.Queue()
         if queue is None:
             raise RequestError(f"unknown sequence {seq_id}")
         self.streaming.add(seq_id)
@@ -313,6 +315,8 @@ class Coordinator:
 
     def _publish(self, seq, new_ids, first_index, final=False):
         queue = self.events.get(seq.seq_id)
+        if queue is None and not final:     # nobody streams it (a batch job's sequence)
+            return
         update = {"token_ids": list(new_ids), "text_delta": seq.text[self.text_sent.get(seq.seq_id, 0):],
                   "logprobs": seq.logprobs[first_index:] if seq.logprobs is not None else None}
         self.text_sent[seq.seq_id] = len(seq.text)

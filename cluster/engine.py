@@ -2,7 +2,7 @@
 requests, stream their tokens, cancel them.
 
     engine = ClusterEngine("tiny-qwen35moe", pp=2)
-    seq_id = engine.submit("r1", {"prompt": "Hello", "max_tokens": 8})
+    seq_id = await engine.submit_async("r1", {"prompt": "Hello", "max_tokens": 8})
     async for update in engine.stream(seq_id): ...
 """
 from __future__ import annotations

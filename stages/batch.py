@@ -11,7 +11,7 @@ class StepBatch:
     seq_ids: list[int]
     start_pos: list[int]          # absolute position of each chunk's first token
     lengths: list[int]            # tokens of each chunk (1 for a decode step)
-    token_ids: torch.Tensor | None = None   # [T] flat token ids, needed by the first stage
+    token_ids: list[int] | torch.Tensor | None = None   # [T] flat token ids, needed by the first stage
     logit_rows: list[int] = field(default_factory=list)   # flat rows whose logits the last stage computes
     # per chunk, what the last stage samples from its logits (stages/sampling.py); None: it returns the logits
     sampling: list | None = None

@@ -32,13 +32,23 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, length: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:start - n + length]
+        return self.tokens[start:start + length]
+
+    @property
     def prefilling(self) -> bool:
         """More than one token to run: the prompt, or everything again after a stage lost its caches."""
-        return self.n_cached < len(self.tokens) - 1
+        return self.n_cached < self.n_tokens - 1
 
     def next_chunk(self, limit: int) -> tuple[int, int]:
         """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
-        return self.n_cached, min(limit, len(self.tokens) - self.n_cached)
+        return self.n_cached, min(limit, self.n_tokens - self.n_cached)
 
     def sampling(self, start: int, length: int) -> ChunkSampling:
         """What the last stage computes for the chunk (start, length): the logprobs of the prompt tokens it
@@ -49,7 +59,7 @@ class Sequence:
             first = max(len(self.prompt_logprobs), start + 1)
             c.targets = self.prompt_ids[first:min(start + length + 1, len(self.prompt_ids))]
             c.first, c.prompt_k = first - start - 1, self.params.prompt_logprobs
-        if start + length == len(self.tokens):
+        if start + length == self.n_tokens:
             c.tip = length - 1
         return c
 
@@ -71,7 +81,7 @@ class Sequence:
             return
         seen = len(self.text)
         self.text += self.detokenizer.add(token)
-        done = len(self.output_ids) >= self.params.max_tokens or len(self.tokens) >= self.context_length
+        done = len(self.output_ids) >= self.params.max_tokens or self.n_tokens >= self.context_length
         if done:
             self.text += self.detokenizer.finish()
         if not self._stopped(seen) and done:

@@ -84,7 +84,7 @@ class Stage:
         Returns hidden states [T, H]; on the last stage, per chunk what batch.sampling asks for (tokens and
         logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
         """
-        x = lookup_rows(self.embed, batch.token_ids) if self.first else hidden
+        x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids)) if self.first else hidden
         ctx = StepContext(batch=batch, positions=batch.positions(),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
         with torch_threads_for(batch.n_tokens):

@@ -41,5 +41,5 @@ def test_a_decoder_that_strips_the_leading_space():
             return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     assert Wrapped().decode([1, 2]) == "hello world"
-    for ids in ([1, 2, 3, 4, 5], [3, 1, 1], [4, 1, 5, 2], [2]):
+    for ids in ([1, 2, 3, 4, 5], [3, 1, 1], [4, 1, 5, 2], [2], [1, 4, 3, 5, 2] * 9):   # the last: past WINDOW
         check(Wrapped(), ids)
