@@ -47,7 +47,8 @@ class ExpertActor:
     def _load(self, model, layers, experts, dtype, threads):
         torch.set_num_threads(threads)
         w = StageWeights(model, model.expected_shapes(range(*layers), False, False), dtype)
-        self.experts = {i: model.arch.load_experts(model.config, w, i, range(*experts)) for i in range(*layers)}
+        spec = model.arch.moe_spec(model.config)
+        self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
 
     @torch.inference_mode()
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from stages.errors import RaymoeError
+from stages.family import global_tensor_shapes
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -71,7 +72,7 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
         raise RaymoeError(f"{hf_dir}: not a directory (convert takes an HF checkpoint directory)")
     model = open_model(hf_dir, max_model_len=None)     # the file keeps the checkpoint's whole context
     arch, cfg = model.arch, model.config
-    names = dict(arch.global_tensor_shapes(cfg))
+    names = global_tensor_shapes(cfg)
     if not model.source.has("output.weight"):
         del names["output.weight"]       # tied head: llama.cpp falls back to token_embd
     for i in range(cfg.n_layers):

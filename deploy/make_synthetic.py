@@ -28,6 +28,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, LlamaFileType as FT
 
 from stages import gptoss, qwen35moe
+from stages.family import global_tensor_shapes
 
 CHUNK_BYTES = 32 << 20      # bytes generated and written at a time
 
@@ -132,7 +133,7 @@ def mix_type(mix: str, name: str, layer: int, n_layers: int, attn_v_index: dict)
 def tensor_plan(arch: ModuleType, cfg, qtype: Q | None = None, mix: str | None = None) -> list[PlannedTensor]:
     """Every tensor in file order (embedding, layers, head) with its type: `qtype` for every weight
     matrix, else the types of `mix`."""
-    glob = arch.global_tensor_shapes(cfg)
+    glob = global_tensor_shapes(cfg)
     layers = [(i, name, shape) for i in range(cfg.n_layers) for name, shape in arch.layer_tensor_shapes(cfg, i).items()]
     named = [(-1, "token_embd.weight", glob["token_embd.weight"]), *layers,
              (-1, "output_norm.weight", glob["output_norm.weight"]), (-1, "output.weight", glob["output.weight"])]

@@ -35,6 +35,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on `[gate | up]` (halves, as in GGUF):
+    `(clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g)` with `g = min(gate, limit)`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                         activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
                         gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from .errors import ModelFormatError
-from .gptoss import GptOssConfig
 from .safetensors_dir import SafetensorsDir
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -68,7 +67,9 @@ def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
 
 
 class GptOssHFWeights:
-    def __init__(self, files: SafetensorsDir, cfg: GptOssConfig):
+    """`get(name)` of a GGUF-convention tensor; cfg is the checkpoint's `gptoss.GptOssConfig`."""
+
+    def __init__(self, files: SafetensorsDir, cfg):
         self.files, self.cfg = files, cfg
         if not files.has("model.embed_tokens.weight"):
             raise ModelFormatError(f"{files.path}: no model.embed_tokens.weight (not a gpt-oss checkpoint?)")

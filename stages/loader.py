@@ -17,6 +17,7 @@ from kernels.int8 import quantize_rows
 from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight, cat_weights
 
 from .errors import ModelFormatError
+from .family import global_tensor_shapes
 from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = ("tiny-qwen35moe", "tiny-gptoss")
@@ -53,7 +54,7 @@ class ModelFiles:
         shapes = {}
         for i in layers:
             shapes.update(self.arch.layer_tensor_shapes(self.config, i))
-        glob = self.arch.global_tensor_shapes(self.config)
+        glob = global_tensor_shapes(self.config)
         if first or (last and not self.source.has("output.weight")):
             shapes["token_embd.weight"] = glob["token_embd.weight"]
         if last:

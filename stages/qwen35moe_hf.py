@@ -14,7 +14,6 @@ import re
 import torch
 
 from .errors import ModelFormatError
-from .qwen35moe import Qwen35MoeConfig
 from .safetensors_dir import SafetensorsDir
 
 # GGUF suffix -> (HF suffix under model.layers.N., transform name)
@@ -53,7 +52,9 @@ def grouped_to_tiled(t: torch.Tensor, n_k: int, n_v: int) -> torch.Tensor:
 
 
 class Qwen35MoeHFWeights:
-    def __init__(self, files: SafetensorsDir, cfg: Qwen35MoeConfig):
+    """`get(name)` of a GGUF-convention tensor; cfg is the checkpoint's `qwen35moe.Qwen35MoeConfig`."""
+
+    def __init__(self, files: SafetensorsDir, cfg):
         self.files, self.cfg = files, cfg
         self.prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
         if not files.has(self.prefix + "embed_tokens.weight"):

@@ -18,7 +18,7 @@ from deploy.tiny_tokenizer import build_tiny_tokenizer
 from hf_models import (assert_greedy_matches, assert_prompt_logprobs_match, hf_logprobs, make_gptoss,
                        mxfp4_to_float, random_mxfp4, run_one as run)
 from kernels.dequant import dequantize
-from stages import gptoss
+from stages import attention as shared_attention, gptoss
 from stages.chat import render_chat
 from stages.engine import LocalEngine
 from stages.gptoss_hf import mxfp4_dequantize, mxfp4_to_ggml
@@ -126,8 +126,8 @@ def test_prefill_then_decode_equals_full_forward(hf_model, prompt):
 
 
 def _without_sinks(monkeypatch):
-    attention = gptoss.attention
-    monkeypatch.setattr(gptoss, "attention", lambda *a, sinks=None, **k: attention(*a, **k))
+    attention = shared_attention.attention
+    monkeypatch.setattr(shared_attention, "attention", lambda *a, sinks=None, **k: attention(*a, **k))
 
 
 def _without_window(monkeypatch):

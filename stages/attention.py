@@ -1,0 +1,89 @@
+"""The attention layer of every family: grouped-query attention of each sequence's new tokens over its KV
+cache, with the options a family's `AttentionSpec` turns on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import attention
+from kernels.linear import linear
+from kernels.norms import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin
+
+from .cache import KVCache
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    bias: bool = False          # biases on q, k, v and the output (gpt-oss)
+    qk_norm: bool = False       # per-head RMSNorm of q and k (Qwen)
+    output_gate: bool = False   # each q head is followed by a gate head; the output is scaled by its sigmoid (Qwen)
+    sinks: bool = False         # one learned logit per head takes part in the softmax (gpt-oss)
+
+    def tensor_shapes(self, p: str, hidden: int) -> dict:
+        qd, kvd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        shapes = {p + "attn_q.weight": ((2 if self.output_gate else 1) * qd, hidden),
+                  p + "attn_k.weight": (kvd, hidden), p + "attn_v.weight": (kvd, hidden),
+                  p + "attn_output.weight": (hidden, qd)}
+        if self.bias:
+            shapes.update({p + "attn_q.bias": (qd,), p + "attn_k.bias": (kvd,), p + "attn_v.bias": (kvd,),
+                           p + "attn_output.bias": (hidden,)})
+        if self.qk_norm:
+            shapes.update({p + "attn_q_norm.weight": (self.head_dim,), p + "attn_k_norm.weight": (self.head_dim,)})
+        if self.sinks:
+            shapes[p + "attn_sinks.weight"] = (self.n_head,)
+        return shapes
+
+
+class Attention:
+    """The attention of the layer whose tensors start with `p`. rope: (inverse frequencies, cos/sin
+    multiplier); fewer frequencies than head_dim / 2 rotate only the leading part of each head.
+    window: a sliding window (None: the whole context); max_len: the most positions a cache holds."""
+
+    def __init__(self, spec: AttentionSpec, w, p: str, eps: float, rope: tuple[torch.Tensor, float],
+                 window: int | None = None, max_len: int | None = None):
+        self.spec, self.eps, self.rope, self.window, self.max_len = spec, eps, rope, window, max_len
+        # q, k and v in one product (one pass over the activations)
+        self.qkv = w.matrices([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], 0)
+        self.o = w.matrix(p + "attn_output.weight")
+        self.qkv_bias = torch.cat([w(p + f"attn_{t}.bias") for t in "qkv"]) if spec.bias else None
+        self.o_bias = w(p + "attn_output.bias") if spec.bias else None
+        self.q_norm = w(p + "attn_q_norm.weight") if spec.qk_norm else None
+        self.k_norm = w(p + "attn_k_norm.weight") if spec.qk_norm else None
+        self.sinks = w(p + "attn_sinks.weight") if spec.sinks else None
+
+    def new_cache(self):
+        return KVCache(window=self.window, max_len=self.max_len)
+
+    def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+        s, T = self.spec, x.shape[0]
+        q_dim, kv_dim = (2 if s.output_gate else 1) * s.n_head * s.head_dim, s.n_kv_head * s.head_dim
+        q, k, v = linear(x, self.qkv, self.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+        k, v = k.reshape(T, s.n_kv_head, s.head_dim), v.reshape(T, s.n_kv_head, s.head_dim)
+        if s.output_gate:
+            q = q.reshape(T, s.n_head, 2 * s.head_dim)
+            q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(T, -1)
+        else:
+            q = q.reshape(T, s.n_head, s.head_dim)
+        if s.qk_norm:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        # one table per step, shared by every layer (the parameters are the model's, not the layer's)
+        if "rope" not in ctx.memo:
+            ctx.memo["rope"] = rope_cos_sin(ctx.positions, *self.rope)
+        cos, sin = ctx.memo["rope"]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.empty_like(q)
+        for sid, rows, _ in ctx.batch.segments():
+            cache = ctx.caches[sid][layer]
+            keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
+            out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, s.head_dim ** -0.5,
+                                  window=self.window, sinks=self.sinks)
+            cache.trim()       # sliding layers keep only the last `window` positions
+        out = out.reshape(T, -1)
+        if s.output_gate:
+            out = out * torch.sigmoid(gate)
+        return linear(out, self.o, self.o_bias)

@@ -1,0 +1,91 @@
+"""What every model family shares: the config fields all of them have, the tensors outside the layers,
+and the pre-norm residual block each layer is."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.norms import rms_norm
+
+from .errors import ModelFormatError
+
+
+@dataclass
+class ModelConfig:
+    """The fields of every family's config; a family's config adds its own fields and checks."""
+    n_layers: int
+    hidden: int
+    vocab: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    rms_eps: float
+    rope_base: float
+    n_expert: int
+    n_expert_used: int
+    expert_ff: int
+    context_length: int
+
+    POSITIVE = ("n_layers", "hidden", "vocab", "n_head", "n_kv_head", "head_dim", "n_expert", "n_expert_used",
+                "expert_ff", "context_length")
+
+    def validate(self, where: str):
+        for name in self.POSITIVE:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ModelFormatError(f"{where}: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_head % self.n_kv_head:
+            raise ModelFormatError(f"{where}: {self.n_head} attention heads do not divide into {self.n_kv_head} KV heads")
+        if self.n_expert_used > self.n_expert:
+            raise ModelFormatError(f"{where}: expert_used_count {self.n_expert_used} > expert_count {self.n_expert}")
+
+    def gguf_metadata(self) -> dict:
+        """The `<arch>.*` GGUF keys of these fields (the inverse of `fields_from_gguf`)."""
+        return {
+            "block_count": self.n_layers, "context_length": self.context_length, "embedding_length": self.hidden,
+            "feed_forward_length": self.expert_ff, "expert_feed_forward_length": self.expert_ff,
+            "vocab_size": self.vocab, "attention.head_count": self.n_head, "attention.head_count_kv": self.n_kv_head,
+            "attention.key_length": self.head_dim, "attention.value_length": self.head_dim,
+            "attention.layer_norm_rms_epsilon": self.rms_eps, "rope.freq_base": self.rope_base,
+            "expert_count": self.n_expert, "expert_used_count": self.n_expert_used,
+        }
+
+
+def fields_from_gguf(meta: dict, key) -> dict:
+    """ModelConfig's fields but n_layers and expert_ff (which families read differently) from GGUF metadata;
+    `key` reads the family's keys (gguf_file.arch_key_reader)."""
+    n_embd = key("embedding_length")
+    n_head = key("attention.head_count", positive=True)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return dict(hidden=n_embd, vocab=key("vocab_size", len(tokens) if tokens else None), n_head=n_head,
+                n_kv_head=key("attention.head_count_kv"), head_dim=key("attention.key_length", n_embd // n_head),
+                rms_eps=float(key("attention.layer_norm_rms_epsilon")), rope_base=float(key("rope.freq_base", 10000.0)),
+                n_expert=key("expert_count"), n_expert_used=key("expert_used_count"),
+                context_length=key("context_length"))
+
+
+def global_tensor_shapes(cfg: ModelConfig) -> dict:
+    """The tensors outside the layers, with their shapes in torch order."""
+    return {"token_embd.weight": (cfg.vocab, cfg.hidden), "output_norm.weight": (cfg.hidden,),
+            "output.weight": (cfg.vocab, cfg.hidden)}
+
+
+class Block:
+    """`h = x + mixer(norm(x)); out = h + ffn(post_norm(h))` for layer `index`."""
+
+    def __init__(self, w, index: int, eps: float, mixer, ffn):
+        self.index, self.eps = index, eps
+        self.attn_norm = w(f"blk.{index}.attn_norm.weight")
+        self.post_norm = w(f"blk.{index}.post_attention_norm.weight")
+        self.mixer, self.ffn = mixer, ffn
+
+    @staticmethod
+    def norm_shapes(index: int, hidden: int) -> dict:
+        return {f"blk.{index}.attn_norm.weight": (hidden,), f"blk.{index}.post_attention_norm.weight": (hidden,)}
+
+    def new_cache(self):
+        return self.mixer.new_cache()
+
+    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        h = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), ctx, self.index)
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))

@@ -1,0 +1,80 @@
+"""The mixture-of-experts feed-forward of every family: a router picks k experts per token, the routed
+experts run here or in expert actors, and a shared expert may add its gated output; a family's `MoESpec`
+says which router, activation and options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from kernels.linear import linear
+from kernels.moe import combine_slots, expert_slot_outputs, swiglu
+from kernels.weights import cat_weights
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    n_expert: int
+    n_used: int
+    expert_ff: int
+    route: Callable             # (logits, k) -> (weights, ids), e.g. kernels.moe.route_softmax_topk
+    activation: Callable = swiglu   # of each expert's [gate | up] (the shared expert's too)
+    bias: bool = False          # biases on the router and the experts (gpt-oss; not with a shared expert)
+    shared_ff: int = 0          # the shared expert's width, 0 for none; its output is scaled by a sigmoid gate
+
+    def tensor_shapes(self, p: str, hidden: int) -> dict:
+        E, F, H = self.n_expert, self.expert_ff, hidden
+        shapes = {p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
+                  p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)}
+        if self.bias:
+            shapes.update({p + "ffn_gate_inp.bias": (E,), p + "ffn_gate_exps.bias": (E, F),
+                           p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
+        if self.shared_ff:
+            S = self.shared_ff
+            shapes.update({p + "ffn_gate_inp_shexp.weight": (H,), p + "ffn_gate_shexp.weight": (S, H),
+                           p + "ffn_up_shexp.weight": (S, H), p + "ffn_down_shexp.weight": (H, S)})
+        return shapes
+
+    def load_experts(self, w, layer: int, experts: range | None = None):
+        """The routed experts of one layer (a slice of them for expert parallelism) as a function
+        (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""
+        p = f"blk.{layer}."
+        gate_up = w.matrices([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], 1, experts)
+        down = w.matrix(p + "ffn_down_exps.weight", experts)
+        gate_up_bias = down_bias = None
+        if self.bias:
+            gate_up_bias = torch.cat((w(p + "ffn_gate_exps.bias", experts), w(p + "ffn_up_exps.bias", experts)), 1)
+            down_bias = w(p + "ffn_down_exps.bias", experts)
+        return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, self.activation, gate_up_bias, down_bias,
+                                                  experts=experts)
+
+
+class MoE:
+    """The feed-forward of layer `layer`. remote_experts(layer, x, ids) -> (slots, rows), when the routed
+    experts live in expert actors."""
+
+    def __init__(self, spec: MoESpec, w, layer: int, remote_experts=None):
+        p = f"blk.{layer}."
+        self.spec = spec
+        self.experts = spec.load_experts(w, layer) if remote_experts is None else partial(remote_experts, layer)
+        # One product gives the router logits and, with a shared expert, its gate and gate/up.
+        inputs = [w.matrix(p + "ffn_gate_inp.weight")]
+        self.router_bias = w(p + "ffn_gate_inp.bias") if spec.bias else None
+        if spec.shared_ff:
+            inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w.matrix(p + "ffn_gate_shexp.weight"),
+                       w.matrix(p + "ffn_up_shexp.weight")]
+            self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
+        self.inputs = cat_weights(inputs)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        logits = linear(x, self.inputs, self.router_bias)
+        if s.shared_ff:
+            logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
+        weights, ids = s.route(logits, s.n_used)
+        y = combine_slots(*self.experts(x, ids), weights)
+        if s.shared_ff:
+            y = y + torch.sigmoid(shared_gate) * linear(s.activation(shared_gate_up), self.shared_down)
+        return y
