@@ -159,3 +159,19 @@ def test_stop_strings_end_the_text_as_a_full_scan_does(tokens, stops):
             assert (len(seq.output_ids), seq.text, seq.finish_reason) == (n, text[:hit], "stop")
             return
     assert (seq.output_ids, seq.finish_reason) == (tokens, "length")
+
+
+def test_draws_follow_the_distribution():
+    """The counter-based stream (uniform(seed, position)) samples the softmax: over 20000 positions every
+    token's frequency is within 4.5 standard deviations of its probability, under temperature and top-p."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    for params, expected in ((SamplingParams(temperature=1.0), torch.softmax(logits, -1)),
+                             (SamplingParams(temperature=0.5), torch.softmax(logits / 0.5, -1)),
+                             (SamplingParams(temperature=1.0, top_p=0.8), None)):
+        if expected is None:        # top-p 0.8 keeps the first two tokens (0.61 + 0.22 >= 0.8), renormalised
+            kept = torch.softmax(logits, -1)[:2]
+            expected = torch.cat([kept / kept.sum(), torch.zeros(3)])
+        n = 20000
+        counts = torch.bincount(torch.tensor([sample_token(logits, params, 7, i) for i in range(n)]), minlength=5)
+        sd = (expected * (1 - expected) / n).sqrt()
+        assert ((counts / n - expected).abs() <= 4.5 * sd + 1e-9).all(), (counts / n, expected)
