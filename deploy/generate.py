@@ -147,7 +147,8 @@ def run(args) -> int:
         return run_local(args, engine_options, defaults)
     from deploy import generate_data
     _Signals.deferred = False      # Ray Data blocks inside its own iterator: a signal interrupts it there
-    return generate_data.run(args, engine_options, defaults, _check_signals)
+    return generate_data.run(args, engine_options, defaults, check_signals=_check_signals,
+                             after_ray_init=_handle_signals)
 
 
 def run_local(args, engine_options: dict, defaults: dict) -> int:
@@ -195,7 +196,7 @@ class StreamingJob:
         self.ready: dict[int, dict] = {}        # position -> result waiting for earlier ones (ordered)
         self.lines = 0                          # lines read
         self.read = self.written = 0            # positions taken (lines not skipped), results written
-        self.seen: dict[str, int] = {}          # id key -> line number, this run
+        self.seen: dict[str, int] = {}          # id key -> line number, this run (~100 bytes an id)
         self.stopped: str | None = None         # why reading stopped early (a repeated id)
         self.skipped = self.failed = self.prompt_tokens = self.generated_tokens = 0
 

@@ -29,9 +29,11 @@ RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "completion_tokens", "logprobs", "prompt_logprobs", "error")
 
 
-def run(args, engine_options: dict, defaults: dict, check_signals) -> int:
-    from cluster.engine import connect_ray, unwrap      # here, not above: see Replica
+def run(args, engine_options: dict, defaults: dict, check_signals, after_ray_init) -> int:
+    from cluster.engine import connect_ray  # here, not above: see Replica
+    from stages.loader import open_model, resolve_model_path
 
+    open_model(resolve_model_path(args.model), args.max_model_len)     # a bad model fails here, not in a replica
     input_is_dir = check_input(args.input)
     parquet_in = args.input_format == "parquet" or (args.input_format == "auto" and is_parquet(args.input))
     to_file = local_jsonl(args.output)
@@ -44,6 +46,7 @@ def run(args, engine_options: dict, defaults: dict, check_signals) -> int:
         writer = None
     try:
         connect_ray(args.replicas * args.pp * (1 + args.ep))
+        after_ray_init()
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = args.ordered
         context.enable_progress_bars = sys.stderr.isatty()
@@ -69,8 +72,8 @@ def run(args, engine_options: dict, defaults: dict, check_signals) -> int:
             else:
                 ds.write_datasink(JsonlSink(args.output))
             summary = "results written"
-    except ray.exceptions.RayTaskError as e:
-        raise RaymoeError(str(unwrap(e)).strip().splitlines()[-1]) from None
+    except ray.exceptions.RayError as e:      # a replica's or a Ray Data task's failure
+        raise RaymoeError(f"the Ray Data job failed: {cause(e)}") from None
     finally:
         if writer is not None:
             writer.close()
@@ -113,6 +116,18 @@ def check_output_folder(path: str):
                 raise PermissionError("permission denied")
     except Exception as e:
         raise RaymoeError(f"{path}: cannot write output ({first_line(e)})") from None
+
+
+def cause(error: BaseException) -> str:
+    """The raymoe error inside Ray's wrappers, else the last line of what Ray says."""
+    e, seen = error, set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, RaymoeError):
+            return str(e)
+        seen.add(id(e))
+        e = getattr(e, "cause", None) or e.__cause__
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
 
 
 def first_line(e: Exception) -> str:

@@ -263,7 +263,6 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     import time
 
     import ray
-
     from serve_util import ROOT
 
     reqs = seeded_requests(10)
