@@ -34,9 +34,13 @@ def run_batch(model: str, pp: int, path: str, defaults) -> tuple[list[dict], flo
     engine = ClusterEngine(model, pp=pp)
     try:
         collected = Collected()
-        with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
-            job = StreamingJob(engine, collected, defaults, 64, True, bar)
-            elapsed = job.run(LineReader(lines, 64))
+        reader = LineReader(lines, 64)
+        try:
+            with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+                job = StreamingJob(engine, collected, defaults, 64, True, bar)
+                elapsed = job.run(reader)
+        finally:
+            reader.close()
         if job.stopped:
             raise RaymoeError(job.stopped)
         return collected.results, elapsed

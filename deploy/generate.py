@@ -168,9 +168,13 @@ def run_local(args, engine_options: dict, defaults: dict) -> int:
                 raise RaymoeError(f"bad sampling flag: {e}") from None
             _Signals.deferred = True
             _check_signals()
-            with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
-                job = StreamingJob(engine, writer, defaults, args.window, args.ordered, bar)
-                elapsed = job.run(LineReader(lines, args.window))
+            reader = LineReader(lines, args.window)
+            try:
+                with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+                    job = StreamingJob(engine, writer, defaults, args.window, args.ordered, bar)
+                    elapsed = job.run(reader)
+            finally:
+                reader.close()
             stats = engine.stats()
         finally:
             engine.shutdown()

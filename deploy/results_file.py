@@ -46,15 +46,32 @@ class LineReader:
 
     def __init__(self, lines, ahead: int):
         self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self.closed = threading.Event()
         threading.Thread(target=self._read, args=(lines,), daemon=True, name="input-reader").start()
 
     def _read(self, lines):
         try:
             for line in lines:
-                self.queue.put(line)
-            self.queue.put(self.END)
+                if not self._put(line):
+                    return
+            self._put(self.END)
         except RaymoeError as e:
-            self.queue.put(e)
+            self._put(e)
+        finally:
+            lines.close()
+
+    def _put(self, item) -> bool:
+        while not self.closed.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def close(self):
+        """The job ended early: the reading thread stops and closes the input."""
+        self.closed.set()
 
     def get(self, timeout: float):
         """The next line, END, or None when none came within timeout."""
