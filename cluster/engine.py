@@ -109,7 +109,7 @@ class ClusterEngine:
                  microbatches: int = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
                  max_running: int | None = None, device: str = "cpu", fault_injection: dict | None = None,
                  max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT,
-                 max_model_len: int | None = DEFAULT_MAX_MODEL_LEN):
+                 max_model_len: int | None = DEFAULT_MAX_MODEL_LEN, placement: str = "pack"):
         """max_running None: as many as memory allows, at most DEFAULT_MAX_RUNNING. max_model_len None:
         the model's whole context."""
         if device != "cpu":
@@ -121,7 +121,7 @@ class ClusterEngine:
         self.tokenizer, self.config = files.tokenizer, files.config
         slots = pp * (1 + ep)
         spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
-                            ep=ep, dtype=dtype, transport=transport, split=split,
+                            ep=ep, dtype=dtype, transport=transport, placement=placement, split=split,
                             threads=threads or default_threads(), max_model_len=max_model_len,
                             name=f"raymoe-{uuid.uuid4().hex[:8]}")
         try:

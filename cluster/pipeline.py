@@ -21,6 +21,8 @@ from stages.engine import split_layers
 from .actors import ExpertActor, StageActor
 
 TRANSPORTS = ("object_store", "gloo")
+# pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
 
 @dataclass
@@ -32,6 +34,7 @@ class PipelineSpec:
     ep: int = 0                      # expert actors per stage (0: experts in the stage)
     dtype: str = "auto"
     transport: str = "object_store"
+    placement: str = "pack"          # a key of PLACEMENTS
     threads: int = 1                 # torch threads per actor
     split: list[int] | None = None   # layers per stage; even split when None
     use_gpu: bool = False
@@ -42,6 +45,8 @@ class PipelineSpec:
     def validate(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r} (choose from {', '.join(PLACEMENTS)})")
         if self.ep < 0 or (self.ep and self.n_experts % self.ep):
             raise ValueError(f"--ep {self.ep} must divide the model's {self.n_experts} experts")
         split_layers(self.n_layers, self.pp, self.split)
@@ -56,7 +61,7 @@ class Pipeline:
         memory = spec.stage_memory or [0] * spec.pp
         # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (spec.pp * spec.ep)
-        self.pg = placement_group(bundles, strategy="PACK")
+        self.pg = placement_group(bundles, strategy=PLACEMENTS[spec.placement])
         ray.get(self.pg.ready(), timeout=120)
         self.stages: list = [None] * spec.pp
         self.experts: list[list] = [[] for _ in range(spec.pp)]

@@ -12,22 +12,43 @@ import time
 from stages.errors import RaymoeError
 
 
-def run_batch(model: str, pp: int, requests, defaults) -> tuple[list[dict], float]:
+class Collected:
+    """The batch job's writer interface, keeping the results in a list."""
+    done: frozenset = frozenset()
+
+    def __init__(self):
+        self.results: list[dict] = []
+
+    def write(self, result: dict):
+        self.results.append(result)
+
+
+def run_batch(model: str, pp: int, path: str, defaults) -> tuple[list[dict], float]:
     from tqdm import tqdm
 
     from cluster.engine import ClusterEngine
-    from deploy.generate import generate_all
+    from deploy.generate import StreamingJob
+    from deploy.results_file import LineReader, read_lines
 
+    lines = read_lines(path)
     engine = ClusterEngine(model, pp=pp)
     try:
-        return generate_all(engine, requests, defaults, tqdm)
+        collected = Collected()
+        reader = LineReader(lines, 64)
+        try:
+            with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+                job = StreamingJob(engine, collected, defaults, 64, True, bar)
+                elapsed = job.run(reader)
+        finally:
+            reader.close()
+        if job.stopped:
+            raise RaymoeError(job.stopped)
+        return collected.results, elapsed
     finally:
         engine.shutdown()
 
 
 def main(argv=None) -> int:
-    from deploy.generate import read_requests
-
     p = argparse.ArgumentParser(prog="python -m deploy.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen35moe")
     p.add_argument("--input", default="examples/prompts.jsonl")
@@ -36,10 +57,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     defaults = {"max_tokens": args.max_tokens, "temperature": 0}
     try:
-        requests = read_requests(args.input)
         start = time.perf_counter()
-        pp2, elapsed = run_batch(args.model, 2, requests, defaults)
-        pp1, _ = run_batch(args.model, 1, requests, defaults)
+        pp2, elapsed = run_batch(args.model, 2, args.input, defaults)
+        pp1, _ = run_batch(args.model, 1, args.input, defaults)
     except RaymoeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

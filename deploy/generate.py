@@ -2,19 +2,22 @@
 
     python -m deploy.generate --model MODEL --input IN.jsonl --output OUT.jsonl [flags]
 
-Each output line matches its input line, in order; a bad line gets {"id", "error"} and the
-rest of the batch still runs. SIGTERM or SIGINT ends the job without output, and stops the local
-Ray cluster it started (exit status 128 + the signal number).
+Each output line matches its input line, in order (or as they finish, --unordered), written and
+flushed as it finishes, with a bounded number of lines held; a bad line gets {"id", "error"} and the
+rest of the batch still runs. --resume keeps an earlier run's output and generates only the ids it
+lacks. SIGTERM or SIGINT ends the job, keeping the lines written so far, and stops the local Ray
+cluster it started (exit status 128 + the signal number). Parquet, folders, URIs and --replicas go
+through Ray Data (deploy/generate_data.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
 import time
 
+from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
 from stages.errors import RaymoeError, RequestError
 from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.sampling import SamplingParams
@@ -23,8 +26,26 @@ from stages.sampling import SamplingParams
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss")
-    p.add_argument("--input", required=True, help="JSONL requests")
-    p.add_argument("--output", required=True, help="JSONL results (one line per input line, same order)")
+    p.add_argument("--input", required=True,
+                   help="requests: a JSONL file; through Ray Data also a .parquet file, a folder of either, or a URI")
+    p.add_argument("--output", required=True,
+                   help="results: a JSONL file, one line per input line, each written as it finishes; through Ray "
+                        "Data also a folder (JSONL, or Parquet when the name ends in .parquet) or a URI")
+    p.add_argument("--input-format", default="auto", choices=["auto", "jsonl", "parquet"],
+                   help="auto: Parquet when the name ends in .parquet or a local folder holds .parquet files")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--ordered", dest="ordered", action="store_true", default=True,
+                       help="write results in input order (the default)")
+    order.add_argument("--unordered", dest="ordered", action="store_false", help="write results as they finish")
+    p.add_argument("--window", type=int, default=64,
+                   help="lines read ahead of the oldest unwritten one (--ordered) or in flight (--unordered); "
+                        "through Ray Data: rows per batch handed to a replica")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the output's results and generate only the ids it lacks (a JSONL file output)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="independent pipelines (each --pp stages) fed by one Ray Data stream")
+    p.add_argument("--placement", default="pack", choices=["pack", "spread"],
+                   help="a pipeline's stages on as few nodes as possible, or on different nodes")
     p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
     p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"],
@@ -48,27 +69,6 @@ def parse_args(argv=None):
     p.add_argument("--logprobs", type=int, default=None, help="top-K logprobs per generated token")
     p.add_argument("--prompt-logprobs", type=int, default=None, help="top-K logprobs per prompt token")
     return p.parse_args(argv)
-
-
-def read_requests(path: str) -> list[tuple[object, dict | None, str | None]]:
-    """(id, request or None, error or None) for every non-blank line; a line's id defaults to its index."""
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise RaymoeError(f"{path}: cannot read input ({e})") from None
-    for index, line in enumerate(lines):
-        try:
-            request = json.loads(line)
-        except json.JSONDecodeError as e:
-            out.append((index, None, f"line {index + 1} is not valid JSON ({e.msg})"))
-            continue
-        if not isinstance(request, dict):
-            out.append((index, None, f"line {index + 1} is not a JSON object"))
-            continue
-        out.append((request.get("id", index), request, None))
-    return out
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         return 2
     except Interrupted as e:
         signum = e.args[0]
-        print(f"error: interrupted by {signal.Signals(signum).name}; no output written", file=sys.stderr)
+        print(f"error: interrupted by {signal.Signals(signum).name}; the results written so far stay in "
+              f"{args.output} (rerun with --resume to finish)", file=sys.stderr)
         return 128 + signum
     finally:
         disconnect_ray()
@@ -130,79 +131,163 @@ def parse_split(text: str | None) -> list[int] | None:
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
-    from cluster.engine import ClusterEngine
-
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     try:
         SamplingParams(**defaults).validate()
     except RequestError as e:
         raise RaymoeError(f"bad sampling flag: {e}") from None
-    requests = read_requests(args.input)
-    engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
-                           threads=args.threads, split=parse_split(args.split), microbatches=args.microbatches,
-                           device=args.device, max_model_len=args.max_model_len, max_running=args.max_running)
-    _handle_signals()       # ray.init replaced the SIGTERM handler
-    try:
-        try:
-            SamplingParams(**defaults).validate(engine.config.context_length)
-        except RequestError as e:
-            raise RaymoeError(f"bad sampling flag: {e}") from None
-        _Signals.deferred = True
-        _check_signals()
-        results, elapsed = generate_all(engine, requests, defaults, tqdm)
-        stats = engine.stats()
-        _check_signals()
-    finally:
-        engine.shutdown()
+    if args.window < 1 or args.replicas < 1:
+        raise RaymoeError("--window and --replicas must be at least 1")
+    engine_options = dict(model=args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
+                          threads=args.threads, split=parse_split(args.split), microbatches=args.microbatches,
+                          device=args.device, max_model_len=args.max_model_len, max_running=args.max_running,
+                          placement=args.placement)
+    if args.replicas == 1 and args.input_format != "parquet" and local_jsonl(args.input) and local_jsonl(args.output):
+        return run_local(args, engine_options, defaults)
+    from deploy import generate_data
+    _Signals.deferred = False      # Ray Data blocks inside its own iterator: a signal interrupts it there
+    return generate_data.run(args, engine_options, defaults, check_signals=_check_signals,
+                             after_ray_init=_handle_signals)
 
-    with open(args.output, "w", encoding="utf-8") as f:
-        for r in results:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    done = [r for r in results if "error" not in r]
-    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in done)
-    gen_tokens = sum(r["usage"]["completion_tokens"] for r in done)
+
+def run_local(args, engine_options: dict, defaults: dict) -> int:
+    from tqdm import tqdm
+
+    from cluster.engine import ClusterEngine
+
+    lines = read_lines(args.input)
+    writer = ResultWriter(args.output, args.resume)
+    try:
+        engine = ClusterEngine(**engine_options)
+        _handle_signals()       # ray.init replaced the SIGTERM handler
+        try:
+            try:
+                SamplingParams(**defaults).validate(engine.config.context_length)
+            except RequestError as e:
+                raise RaymoeError(f"bad sampling flag: {e}") from None
+            _Signals.deferred = True
+            _check_signals()
+            reader = LineReader(lines, args.window)
+            try:
+                with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+                    job = StreamingJob(engine, writer, defaults, args.window, args.ordered, bar)
+                    elapsed = job.run(reader)
+            finally:
+                reader.close()
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+    finally:
+        writer.close()
     ttft = sorted(stats["first_token_s"])
     ttft_text = f", TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms" if ttft else ""
-    print(f"{len(results)} requests ({len(results) - len(done)} failed), {prompt_tokens} prompt + {gen_tokens} "
-          f"generated tokens in {elapsed:.2f} s: {(prompt_tokens + gen_tokens) / max(elapsed, 1e-9):.1f} tok/s "
-          f"({gen_tokens / max(elapsed, 1e-9):.1f} generated tok/s){ttft_text}; pp={args.pp} ep={args.ep} "
-          f"transport={args.transport}", file=sys.stderr)
+    print(job.summary(elapsed) + f"{ttft_text}; pp={args.pp} ep={args.ep} transport={args.transport}",
+          file=sys.stderr)
+    if job.stopped:
+        raise RaymoeError(job.stopped)
     return 0
+
+
+class StreamingJob:
+    """Feeds the engine from a lazy line iterator and writes each result as it finishes. At most
+    `window` lines are held: in flight or, when ordered, waiting for an earlier line to be written."""
+
+    def __init__(self, engine, writer: ResultWriter, defaults: dict, window: int, ordered: bool, bar):
+        self.engine, self.writer, self.defaults, self.window, self.ordered, self.bar = (
+            engine, writer, defaults, window, ordered, bar)
+        self.in_flight: dict[int, int] = {}     # seq_id -> position
+        self.ready: dict[int, dict] = {}        # position -> result waiting for earlier ones (ordered)
+        self.lines = 0                          # lines read
+        self.read = self.written = 0            # positions taken (lines not skipped), results written
+        self.seen: dict[str, int] = {}          # id key -> line number, this run (~100 bytes an id)
+        self.stopped: str | None = None         # why reading stopped early (a repeated id)
+        self.skipped = self.failed = self.prompt_tokens = self.generated_tokens = 0
+
+    def run(self, lines: LineReader) -> float:
+        start = time.perf_counter()
+        exhausted = False
+        while True:
+            _check_signals()
+            batch = []
+            while not exhausted and self.read - self.written < self.window:
+                # wait for input only when there is nothing else to do (then briefly: signals)
+                line = lines.END if self.stopped else lines.get(0 if self.in_flight or batch else 0.5)
+                if line is None:
+                    break
+                if line is lines.END:
+                    exhausted = True
+                    continue
+                position = self._take(line)
+                if position is not None:
+                    batch.append((position, line))
+            self._submit(batch)
+            if not self.in_flight:
+                if exhausted:
+                    return time.perf_counter() - start
+                continue
+            for seq_id, result in self.engine.wait_finished(timeout=1.0):
+                self._emit(self.in_flight.pop(seq_id), result)
+
+    def _take(self, line) -> int | None:
+        """The position of a line to generate; errors are written (in turn) here, done ids skipped."""
+        self.lines += 1
+        rid, request, error = line
+        key = id_key(rid)
+        if key in self.writer.done:
+            self.skipped += 1
+            return None
+        if key in self.seen:
+            self.stopped = (f"line {self.lines} repeats the id {key} of line {self.seen[key]}: ids must be unique "
+                            f"(--resume finds finished lines by id); the lines before it were written")
+            return None
+        self.seen[key] = self.lines
+        self.read += 1
+        if error is not None:
+            self._emit(self.read - 1, {"id": rid, "error": error})
+            return None
+        return self.read - 1
+
+    def _submit(self, batch):
+        if not batch:
+            return
+        outcomes = self.engine.submit_many([(rid, request) for _, (rid, request, _) in batch], self.defaults)
+        for (position, (rid, _, _)), outcome in zip(batch, outcomes):
+            if isinstance(outcome, dict):
+                self._emit(position, {"id": rid, "error": outcome["error"]})
+            else:
+                self.in_flight[outcome] = position
+
+    def _emit(self, position: int, result: dict):
+        if not self.ordered:
+            self._write(result)
+            return
+        self.ready[position] = result
+        while self.written in self.ready:          # in order: `written` is the next position to write
+            self._write(self.ready.pop(self.written))
+
+    def _write(self, result: dict):
+        self.writer.write(result)
+        self.written += 1
+        self.bar.update(1)
+        if "error" in result:
+            self.failed += 1
+        else:
+            self.prompt_tokens += result["usage"]["prompt_tokens"]
+            self.generated_tokens += result["usage"]["completion_tokens"]
+
+    def summary(self, elapsed: float) -> str:
+        skipped = f", {self.skipped} already in the output" if self.skipped else ""
+        tokens = self.prompt_tokens + self.generated_tokens
+        return (f"{self.written} requests ({self.failed} failed{skipped}), {self.prompt_tokens} prompt + "
+                f"{self.generated_tokens} generated tokens in {elapsed:.2f} s: {tokens / max(elapsed, 1e-9):.1f} "
+                f"tok/s ({self.generated_tokens / max(elapsed, 1e-9):.1f} generated tok/s)")
 
 
 def _handle_signals():
     if threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
             signal.signal(s, _interrupt)
-
-
-def generate_all(engine, requests, defaults, tqdm) -> tuple[list[dict], float]:
-    """Submit every good line, collect results as they finish; bad lines get their error in place."""
-    results: list[dict | None] = [None] * len(requests)
-    good = [(i, rid, req) for i, (rid, req, err) in enumerate(requests) if err is None]
-    for i, (rid, _, err) in enumerate(requests):
-        if err is not None:
-            results[i] = {"id": rid, "error": err}
-    start = time.perf_counter()
-    submitted = engine.submit_many([(rid, req) for _, rid, req in good], defaults)
-    index_of = {}
-    for (i, rid, _), outcome in zip(good, submitted):
-        if isinstance(outcome, dict):
-            results[i] = {"id": rid, "error": outcome["error"]}
-        else:
-            index_of[outcome] = i
-    with tqdm(total=len(index_of), desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
-        remaining = len(index_of)
-        while remaining:
-            _check_signals()
-            for seq_id, result in engine.wait_finished(timeout=1.0):
-                results[index_of[seq_id]] = result
-                remaining -= 1
-                bar.update(1)
-    return results, time.perf_counter() - start
 
 
 if __name__ == "__main__":

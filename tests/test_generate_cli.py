@@ -166,7 +166,7 @@ def test_sigterm_leaves_no_ray_process(tmp_path):
         while still_running(children) and time.time() < deadline:
             time.sleep(0.2)
         assert not still_running(children), [_cmdline(pid) for pid in still_running(children)]
-        assert not (tmp_path / "out.jsonl").exists()
+        assert (tmp_path / "out.jsonl").read_text() == ""     # nothing had finished; --resume would start over
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -179,3 +179,169 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+# ---- streaming, --resume, bad paths (issue 16) -------------------------------------------------------
+
+
+def test_streams_both_ends_through_a_fifo(tmp_path):
+    """Reading is lazy and each result is written as it finishes: with the input a named pipe, the
+    first results are in the output while the pipe is still open."""
+    import threading
+    import time
+
+    fifo, out = tmp_path / "in.fifo", tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    reqs = [{"id": i, "prompt": "Hi " * (i + 1), "max_tokens": 3, "temperature": 0} for i in range(6)]
+    seen_while_open = []
+
+    def feed():
+        with open(fifo, "w") as f:
+            for r in reqs[:3]:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            deadline = time.time() + 120
+            while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+                time.sleep(0.1)
+            seen_while_open.append(out.read_text().count("\n") if out.exists() else 0)
+            for r in reqs[3:]:
+                f.write(json.dumps(r) + "\n")
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        assert generate.main(["--model", "tiny-qwen35moe", "--input", str(fifo), "--output", str(out),
+                              "--window", "2"]) == 0
+    finally:
+        feeder.join()
+    assert seen_while_open == [3]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == list(range(6))
+
+
+def test_window_bounds_lines_in_flight_and_unordered_writes_as_they_finish(tmp_path, monkeypatch):
+    from cluster.engine import ClusterEngine
+
+    in_flight, most = set(), [0]
+    submit_many, wait_finished = ClusterEngine.submit_many, ClusterEngine.wait_finished
+
+    def counting_submit(self, requests, defaults=None):
+        out = submit_many(self, requests, defaults)
+        in_flight.update(x for x in out if not isinstance(x, dict))
+        most[0] = max(most[0], len(in_flight))
+        return out
+
+    def counting_wait(self, timeout=1.0):
+        out = wait_finished(self, timeout)
+        in_flight.difference_update(seq_id for seq_id, _ in out)
+        return out
+
+    monkeypatch.setattr(ClusterEngine, "submit_many", counting_submit)
+    monkeypatch.setattr(ClusterEngine, "wait_finished", counting_wait)
+    long = {"id": "long", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    short = [{"id": i, "prompt": "Hi", "max_tokens": 2, "temperature": 0} for i in range(6)]
+    unordered = run(tmp_path, [long] + short, "--unordered", "--window", "3", name="unordered")
+    assert most[0] == 3
+    assert unordered[-1]["id"] == "long"          # written when it finished, after every short one
+    most[0] = 0
+    ordered = run(tmp_path, [long] + short, "--window", "3", name="ordered")
+    assert most[0] <= 3                            # the long line holds the window: finished lines wait
+    assert [r["id"] for r in ordered] == ["long"] + list(range(6))
+    assert sorted(map(json.dumps, ordered)) == sorted(map(json.dumps, unordered))
+
+
+def seeded_requests(n):
+    return [{"id": f"r{i}", "prompt": "Once upon a time " * (1 + i % 3), "temperature": 0.8, "seed": 100 + i,
+             "max_tokens": 6 + 3 * (i % 4)} for i in range(n)]
+
+
+def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
+    """A job killed (SIGKILL) mid-run, then rerun with --resume: the output is line for line the one an
+    uninterrupted run writes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+    from serve_util import ROOT
+
+    reqs = seeded_requests(10)
+    reqs.insert(5, {"id": "bad", "prompt_token_ids": [1, 10 ** 9]})
+    whole = run(tmp_path, reqs, name="whole")
+    src, out = tmp_path / "killed.in.jsonl", tmp_path / "killed.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    # the killed job joins this session's cluster, so that it starts in seconds
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--input", str(src),
+                             "--output", str(out), "--window", "2"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not out.exists() or out.read_text().count("\n") < 3:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    written = out.read_text().count("\n")
+    assert 3 <= written < len(reqs)
+    with open(out, "a") as f:
+        f.write('{"id": "r9", "prompt_tok')               # a torn last line, as a kill mid-write leaves
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(out), "--resume"]) == 0
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+    assert [r["id"] for r in whole] == [r["id"] for r in reqs]
+    # resuming a finished job generates nothing and changes nothing
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(out), "--resume"]) == 0
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+def test_ids_missing_repeated_and_bad_paths(tmp_path, capsys):
+    reqs = [{"prompt": "Hi", "max_tokens": 2}, {"id": "x", "prompt": "Hi", "max_tokens": 2},
+            {"id": 0, "prompt": "Hi", "max_tokens": 2}, {"id": "y", "prompt": "Hi", "max_tokens": 2}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    # line 1 has no id: its index 0 is its id, which line 3 repeats; the job stops there with one line
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: line 3 repeats the id 0 of line 1: ids must be unique" in err and "Traceback" not in err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, "x"]
+    (tmp_path / "not-a-result.jsonl").write_text("hello\n")
+    for flags, message in [
+            (["--input", str(tmp_path / "missing.jsonl")], "missing.jsonl: cannot read input (No such file"),
+            (["--output", str(tmp_path / "no" / "dir.jsonl")], "dir.jsonl: cannot write output (No such file"),
+            (["--output", str(tmp_path / "not-a-result.jsonl"), "--resume"], "line 1 is not a result line"),
+            (["--input", "nosuch://bucket/in.jsonl"], "nosuch://bucket/in.jsonl: cannot read input ("),
+            (["--input", str(src), "--output", "nosuch://bucket/out"], "nosuch://bucket/out: cannot write output ("),
+            (["--output", str(tmp_path / "folder") + "/", "--resume"], "--resume needs a JSONL file output")]:
+        argv = {"--input": str(src), "--output": str(tmp_path / "o.jsonl")}
+        argv.update(dict(zip(flags[::2], flags[1::2])))
+        extra = [f for f in flags if f == "--resume"]
+        assert generate.main(["--model", "tiny-qwen35moe", *[x for kv in argv.items() for x in kv], *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_ray_data_parquet_with_replicas(tmp_path):
+    """Through Ray Data: Parquet in, two replicas, a Parquet folder out, equal to the local job's results.
+    (tests/test_ray_job.py runs a JSONL input with two replicas into a JSONL file.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    reqs = seeded_requests(6) + [{"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                  "temperature": 0}]
+    local = run(tmp_path, reqs, name="local")
+    rows = reqs + [{"prompt": "a row without an id"}]
+    columns = {key for r in rows for key in r}                   # a field a row lacks is null there
+    pq.write_table(pa.Table.from_pylist([{key: r.get(key) for key in columns} for r in rows]), tmp_path / "in.parquet")
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(tmp_path / "in.parquet"), "--output",
+                          str(tmp_path / "out.parquet"), "--replicas", "2", "--window", "2"]) == 0
+    got = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    by_id = {r["id"]: r for r in got}
+    assert len(got) == len(rows) and by_id[None]["error"].startswith("row has no \"id\"")
+    for want in local:
+        r = by_id[want["id"]]
+        assert (r["token_ids"], r["text"], r["finish_reason"]) == (want["token_ids"], want["text"], want["finish_reason"])
+        assert r["completion_tokens"] == want["usage"]["completion_tokens"] and r["error"] is None

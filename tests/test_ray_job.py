@@ -1,4 +1,5 @@
-"""A real `ray start --head` cluster and a real `ray job submit` of the batch job (README's recipe)."""
+"""A real `ray start --head` cluster and a real `ray job submit` of the batch job (README's recipe:
+two PP=2 pipelines fed by Ray Data)."""
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ def head_node(tmp_path):
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([os.path.join(BIN, "ray"), "start", "--head", "--block", f"--port={port}",
-                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=4",
+                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=6",
                              "--disable-usage-stats", *own_ports],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
@@ -67,7 +68,7 @@ def test_ray_job_submit_batch_generation(head_node, tmp_path):
     runtime_env = {"excludes": [".venv", ".git", "out"], "env_vars": {"RAYMOE_CACHE": os.environ["RAYMOE_CACHE"]}}
     cmd = [os.path.join(BIN, "ray"), "job", "submit", "--address", address, "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--pp", "2",
+           sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--pp", "2", "--replicas", "2",
            "--input", str(src), "--output", str(out)]
     # token authentication is on for the job server: the CLI reads ~/.ray/auth_token (docs/model-formats.md §6)
     for _ in range(30):       # the job agent starts a little after the dashboard answers
@@ -78,7 +79,7 @@ def test_ray_job_submit_batch_generation(head_node, tmp_path):
         time.sleep(2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "succeeded" in proc.stdout + proc.stderr
-    assert "pp=2" in proc.stdout + proc.stderr
+    assert "2 replica(s), pp=2" in proc.stdout + proc.stderr      # two pipelines fed by one Ray Data stream
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in results] == ["a", "b", "c"]
     assert len(results[0]["token_ids"]) == 6 and len(results[1]["token_ids"]) == 4
