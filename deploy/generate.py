@@ -46,7 +46,7 @@ def parse_args(argv=None):
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     p.add_argument("--placement", default="pack", choices=["pack", "spread"],
                    help="a pipeline's stages on as few nodes as possible, or on different nodes")
-    p.add_argument("--pp", type=int, default=1, choices=[1, 2, 4], help="pipeline stages (one Ray actor each)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
     p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"],
                    help="how activations move between stages")
