@@ -193,11 +193,12 @@ static int64_t act_pos(int t, int64_t e) {
 static inline int round_even(float v) { return (int)((v + 12582912.0f) - 12582912.0f); }
 
 /* Row x of k values to int8 blocks of qb: d = amax / 127, q = round(x / d), |x - d q| <= d / 2. */
-/* natural: q in the natural order and 8 lanes per 32-block (the many-row kernels), else act_pos. */
+/* natural: q in the natural order (the many-row kernels), stored as q + 128 (unsigned) when
+ * natural is 2; else in act_pos's order. */
 static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row,
                          int natural) {
     int8_t *q = xq->q + row * xq->kq;
-    const int64_t nb = xq->nb, lanes = natural ? 8 : 16 / group_blocks(t);
+    const int64_t nb = xq->nb, lanes = 16 / group_blocks(t);
     for (int64_t b = 0; b < nb; b++) {
         float *d = xq->d + row * nb + b, *ds = xq->ds + row * nb + b;
         int32_t *corr = xq->corr + row * nb + b;
@@ -214,7 +215,10 @@ static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quan
         for (int i = 0; i < qb; i++) {
             int r = round_even(v[i] * inv);
             r = r > 127 ? 127 : r < -127 ? -127 : r;
-            q[natural ? b * qb + i : act_pos(t, b * qb + i)] = (int8_t)r;
+            if (natural)
+                q[b * qb + i] = (int8_t)(natural == 2 ? (uint8_t)(r + 128) : r);
+            else
+                q[act_pos(t, b * qb + i)] = (int8_t)r;
             sum += r;
             part += r;
             if (i % 16 == 15) {
@@ -1066,8 +1070,8 @@ static quantized_x alloc_x(int t, int64_t m, int64_t k, int qb, int natural) {
     xq.ds = alloc64((size_t)(m * xq.nb) * sizeof(float));
     xq.corr = alloc64((size_t)(m * xq.nb) * sizeof(int32_t));
     xq.bsum = alloc64((size_t)(m * (k / 16)) * sizeof(int16_t) + 64);
-    if (qb == 32) {
-        xq.lanes = natural ? xq.nb * 8 : (k / 32 + g - 1) / g * 16;
+    if (qb == 32 && !natural) {
+        xq.lanes = (k / 32 + g - 1) / g * 16;
         xq.lane_d = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
         xq.lane_ds = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
         xq.lane_corr = zalloc64((size_t)(m * xq.lanes) * sizeof(int32_t));
@@ -1221,40 +1225,46 @@ int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64
 
 #define MANY_TILE 16
 
-/* A tile row of a 32-block type: row_a, plus on AVX-512 each block's dw and dm per int32 lane
- * of a 64-byte register (8 lanes per block), as the activations' lane arrays are laid out. */
+/* A tile row of a 32-block type: row_a, plus on AVX-512 the signed weights u - off and, per int32
+ * lane of a 64-byte register (8 lanes per block), the block's dw, its dm (first lane only) and
+ * -128 times the sum of its signed weights (first lane only): the activations come as q + 128. */
 typedef struct {
     row_a a;
-    float *wd, *wm;  /* [lanes] */
+    int8_t *s;        /* [kq] */
+    float *wd, *wm;   /* [lanes] */
+    int32_t *wcorr;   /* [lanes] */
 } tile_row_a;
 
 #if ARCH == 2
 
+/* The scales v[2c] and v[2c + 1] of two blocks over their 8 lanes each. */
+static inline __m512 pair_lanes(const float *v) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)v))));
+}
+
 /* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for 32-block weights: per 64 bytes (two
- * blocks), dpbusd sums u * q per lane from the offset's term, scaled by dw * dx per lane. */
+ * blocks), dpbusd sums (q + 128) s per lane from -128 sum s, scaled by dw * dx per lane. */
 INLINE void tile_a(int RM, int RN, int mins, const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row,
                    float *y, int64_t ldy) {
     __m512 acc[4][4];
     for (int i = 0; i < RM; i++)
         for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t c = 0; c < (k + 63) / 64; c++) {
-        __m512i q[4], corr[4];
-        __m512 dx[4];
+        __m512i q[4];
+        __m512 dx[4], ds[4];
         for (int i = 0; i < RM; i++) {
-            const int64_t lane = (row + i) * xq->lanes + 16 * c;
             q[i] = _mm512_load_si512(xq->q + (row + i) * xq->kq + 64 * c);
-            corr[i] = _mm512_load_si512(xq->lane_corr + lane);
-            dx[i] = _mm512_load_ps(xq->lane_d + lane);
+            dx[i] = pair_lanes(xq->d + (row + i) * xq->nb + 2 * c);
+            if (mins) ds[i] = pair_lanes(xq->ds + (row + i) * xq->nb + 2 * c);
         }
         for (int j = 0; j < RN; j++) {
-            const __m512i u = _mm512_load_si512(w[j].a.u + 64 * c);
+            const __m512i ws = _mm512_load_si512(w[j].s + 64 * c), corr = _mm512_load_si512(w[j].wcorr + 16 * c);
             const __m512 wd = _mm512_load_ps(w[j].wd + 16 * c);
             for (int i = 0; i < RM; i++) {
-                const __m512i s = _mm512_dpbusd_epi32(corr[i], u, q[i]);
+                const __m512i s = _mm512_dpbusd_epi32(corr, q[i], ws);
                 acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx[i], wd), acc[i][j]);
-                if (mins)
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(w[j].wm + 16 * c),
-                                                _mm512_load_ps(xq->lane_ds + (row + i) * xq->lanes + 16 * c), acc[i][j]);
+                if (mins) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(w[j].wm + 16 * c), ds[i], acc[i][j]);
             }
         }
     }
@@ -1363,11 +1373,17 @@ static void unpack_tile_row(int t, const uint8_t *w, int64_t k, tile_row_a *wa, 
     }
     unpack_row_a(t, w, k, &wa[j].a);
 #if ARCH == 2
-    for (int64_t b = 0; b < k / 32; b++)
-        for (int l = 0; l < 8; l++) {
-            wa[j].wd[8 * b + l] = wa[j].a.dw[b];
-            wa[j].wm[8 * b + l] = wa[j].a.dm[b];
-        }
+    const int off = offset_a(t);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(wa[j].a.u + 32 * b));
+        const __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256()); /* four partial sums of u */
+        const int sum = (int)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) + _mm256_extract_epi64(sad, 2) +
+                              _mm256_extract_epi64(sad, 3)) - 32 * off;
+        _mm256_storeu_si256((__m256i *)(wa[j].s + 32 * b), _mm256_sub_epi8(u, _mm256_set1_epi8((char)off)));
+        _mm256_storeu_ps(wa[j].wd + 8 * b, _mm256_set1_ps(wa[j].a.dw[b]));
+        wa[j].wm[8 * b] = wa[j].a.dm[b];
+        wa[j].wcorr[8 * b] = -128 * sum;
+    }
 #endif
 }
 
@@ -1379,15 +1395,18 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
     if (is_float(t)) return -2;
     const int kq = is_k_quant(t), qb = kq ? QK : 32;
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), tiles = (n + MANY_TILE - 1) / MANY_TILE;
+    /* AVX-512's 32-block kernel takes q + 128 (dpbusd multiplies unsigned by signed bytes) */
+    const int natural = ARCH == 2 && !kq ? 2 : 1;
     quantized_x xq = alloc_x(t, m, k, qb, 1);
     if (!x_allocated(&xq)) {
         free_x(&xq);
         return -1;
     }
-    /* one tile row: 32-blocks: u [kq] (zero past k), wd and wm [lanes], dw and dm [nb];
-     * K-quants: k / QK super-blocks */
+    /* one tile row: 32-blocks: u and s [kq] (zero past k), wd, wm and wcorr [lanes], dw and dm
+     * [nb]; K-quants: k / QK super-blocks */
+    const int64_t lanes = 8 * xq.nb; /* a multiple of 16: 64-byte arrays */
     const size_t row_size = kq ? (size_t)(k / QK) * sizeof(block_k)
-                               : (size_t)xq.kq + 2 * (size_t)xq.nb * sizeof(float) + 2 * (size_t)xq.lanes * sizeof(float);
+                               : 2 * (size_t)xq.kq + 3 * (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
     int failed = 0;
 #pragma omp parallel
     {
@@ -1398,13 +1417,15 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             uint8_t *p = buffer + j * ((row_size + 63) / 64 * 64);
             wk[j] = (block_k *)p;
             wa[j].a.u = p;
-            wa[j].wd = (float *)(p + xq.kq);  /* 64-byte aligned: lanes is a multiple of 16 */
-            wa[j].wm = wa[j].wd + xq.lanes;
-            wa[j].a.dw = wa[j].wm + xq.lanes;
+            wa[j].s = (int8_t *)(p + xq.kq);
+            wa[j].wd = (float *)(p + 2 * xq.kq);
+            wa[j].wm = wa[j].wd + lanes;
+            wa[j].wcorr = (int32_t *)(wa[j].wm + lanes);
+            wa[j].a.dw = (float *)(wa[j].wcorr + lanes);
             wa[j].a.dm = wa[j].a.dw + xq.nb;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, 1);
+        for (int64_t i = 0; i < m; i++) quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < count * tiles; item++) {
             if (!buffer) {
