@@ -385,6 +385,7 @@ def bench_real(folder: str, quick: bool) -> dict:
         print(f"{'engine':<14}" + "".join(f"{f:>15}" for f in fields))
         report[model] = {}
         for engine in REAL_ENGINES:
+            evict_from_page_cache(path)
             cmd = [sys.executable, "-m", "deploy.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
@@ -402,6 +403,16 @@ def bench_real(folder: str, quick: bool) -> dict:
                   f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x (>= 1.5), load time {a['load_s'] / b['load_s']:.2f}x "
                   f"(<= 1.5), peak RSS {a['peak_rss_gb'] / b['peak_rss_gb']:.2f}x")
     return report
+
+
+def evict_from_page_cache(path: str) -> None:
+    """Drops the file's pages from the page cache, so that every engine loads it from the disk: else
+    the engine that runs first pays the disk and the next ones read memory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def read_bandwidth_gb_s() -> float:

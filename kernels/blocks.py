@@ -4,7 +4,9 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     dequantize_rows     raw rows -> float32, bit for bit as gguf-py's dequantize
     grouped_product     few activation rows per weight (decode; experts' groups of tokens), in
                         exact mode (float32) or fast mode (int8 activations, as llama.cpp)
-    many_rows_product   many activation rows (prefill): tiles of dequantised rows times sgemm
+    grouped_many_rows   many activation rows per weight (prefill) in fast mode: int8 activations
+                        times tiles of unpacked weight rows, summed in integers
+    many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
 AVX2 or portable C), or for $RAYMOE_MARCH. Results depend neither on the thread count nor on
@@ -57,6 +59,8 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_dequantize.restype = None
     lib.raymoe_blocks_grouped.argtypes = [c, c, p, i, i, p, i, p, i, i, i, p, i]
     lib.raymoe_blocks_grouped.restype = c
+    lib.raymoe_blocks_grouped_many.argtypes = [c, p, i, i, p, i, p, i, i, i, p, i]
+    lib.raymoe_blocks_grouped_many.restype = c
     lib.raymoe_blocks_many_rows.argtypes = [p, c, p, i, i, p, i, i, p, i]
     lib.raymoe_blocks_many_rows.restype = c
     lib.sgemm = native._numpy_sgemm()
@@ -136,6 +140,18 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
     contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
     products); otherwise float32 activations times the exact weights. Float weights are always
     multiplied exactly."""
+    groups = _check_groups(x, raw, ggml_type, k, groups, out)
+    if not groups:
+        return
+    m, n = x.shape[0], raw.shape[1]
+    table = torch.tensor(groups, dtype=torch.int64)
+    _status(_lib().raymoe_blocks_grouped(int(ggml_type), int(bool(quantize_activations)), x.data_ptr(), m,
+                                         x.stride(0), raw.data_ptr(), raw.stride(0), table.data_ptr(), len(groups),
+                                         n, k, out.data_ptr(), out.stride(0)))
+
+
+def _check_groups(x, raw, ggml_type, k, groups, out) -> list[tuple[int, int, int]]:
+    """The non-empty groups, after checking every argument."""
     _check_raw(raw, ggml_type, k, 3)
     _check_rows(x, "x", None, k)
     g_count, n = raw.shape[0], raw.shape[1]
@@ -144,13 +160,23 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
     for g, a, b in groups:
         if not (0 <= g < g_count and 0 <= a <= b <= m):
             raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
-    groups = [(g, a, b) for g, a, b in groups if b > a]
-    if not groups or n == 0:
+    return [(g, a, b) for g, a, b in groups if b > a] if n else []
+
+
+def grouped_many_rows(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, groups: list[tuple[int, int, int]],
+                      out: torch.Tensor) -> None:
+    """grouped_product's fast mode for groups of many rows (prefill), quantised types only:
+    activations as int8 blocks (Q8_K for K-quants, Q8_0 otherwise), integer dot products against
+    tiles of weight rows unpacked in cache."""
+    if int(ggml_type) in (T.F32, T.F16, T.BF16):
+        raise ValueError(f"{T(ggml_type).name} weights have no fast mode")
+    groups = _check_groups(x, raw, ggml_type, k, groups, out)
+    if not groups:
         return
     table = torch.tensor(groups, dtype=torch.int64)
-    _status(_lib().raymoe_blocks_grouped(int(ggml_type), int(bool(quantize_activations)), x.data_ptr(), m,
-                                         x.stride(0), raw.data_ptr(), raw.stride(0), table.data_ptr(), len(groups),
-                                         n, k, out.data_ptr(), out.stride(0)))
+    _status(_lib().raymoe_blocks_grouped_many(int(ggml_type), x.data_ptr(), x.shape[0], x.stride(0), raw.data_ptr(),
+                                              raw.stride(0), table.data_ptr(), len(groups), raw.shape[1], k,
+                                              out.data_ptr(), out.stride(0)))
 
 
 def many_rows_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import blocks
 from .dense import FEW_ROWS, dense_grouped, dense_linear
 
-F32, F16, BF16 = 0, 1, 30
+F32, F16, BF16, MXFP4 = 0, 1, 30, 39
 UNQUANTISED = (F32, F16, BF16)
 # the ggml types BlockWeight computes with (gguf numbering): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, BF16, MXFP4
@@ -64,10 +64,10 @@ class DenseWeight:
 class BlockWeight:
     """GGML blocks: raw uint8 [..., N, bytes per row] holding rows of k values of `ggml_type`.
 
-    quantize_activations: few-row products quantise the activations to 8 bits per block and
-    sum in integers (the fast mode, as llama.cpp); otherwise float32 activations meet the exactly
-    dequantised weight values (the exact mode). Many-row products dequantise tiles and multiply
-    in float32 either way."""
+    quantize_activations: products quantise the activations to 8 bits per block and sum in
+    integers (the fast mode, as llama.cpp); otherwise float32 activations meet the exactly
+    dequantised weight values (the exact mode: many-row products dequantise tiles and multiply
+    them in float32)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool):
         self.raw, self.type, self.k = raw, int(ggml_type), k
@@ -104,13 +104,25 @@ class BlockWeight:
                 out[a:b] = F.linear(x[a:b], BlockWeight(raw[g], self.type, self.k, False).dequantize())
             return out
         x = x if x.stride(-1) == 1 else x.contiguous()
-        few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]
+        few_rows = self._few_rows()
+        few = [g for g in groups if g[2] - g[1] <= few_rows]
+        many = [g for g in groups if g[2] - g[1] > few_rows]
         if few:
             blocks.grouped_product(x, raw, self.type, self.k, few, out, self.quantize_activations)
-        for g, a, b in groups:
-            if b - a > FEW_ROWS:
+        if many and self.quantize_activations:
+            blocks.grouped_many_rows(x, raw, self.type, self.k, many, out)
+        elif many:
+            for g, a, b in many:
                 blocks.many_rows_product(x[a:b], raw[g], self.type, self.k, out[a:b])
         return out
+
+    def _few_rows(self) -> int:
+        """Up to how many rows per weight the few-row kernel wins. Fast mode: measured here (1
+        thread), integer products over unpacked tiles win from ~8-12 rows, MXFP4's from ~20 (its
+        unpacking costs more than the others')."""
+        if not self.quantize_activations:
+            return FEW_ROWS
+        return 16 if self.type == MXFP4 else 8
 
     def same_format(self, other: "BlockWeight") -> bool:
         return (self.type, self.k, self.quantize_activations) == (other.type, other.k, other.quantize_activations)

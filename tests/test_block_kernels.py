@@ -182,6 +182,33 @@ def test_many_rows_product(variant, t):
     assert (err <= exact_bound(x, w, k + 16)).all()
 
 
+QUANTISED = [t for t in TYPES if t not in FLOATS]
+
+
+@pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
+def test_grouped_many_rows(variant, t):
+    """The fast mode for many rows: tails in every dimension (rows past whole register tiles,
+    weight rows past whole tiles of 16, an odd number of 32-blocks, three super-blocks), groups
+    of several weights, an empty group; against float64 within the fast mode's bound."""
+    m, n, k = 43, 21, 7 * 32 if block_elems(t) == 32 else 3 * 256
+    rng = np.random.default_rng(5000 + int(t))
+    raw = torch.stack([random_raw(rng, t, n, k) for _ in range(3)])
+    w = [reference(raw[g], t, k) for g in range(3)]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(t)))
+    groups = [(2, 0, 18), (0, 18, 18), (1, 18, 43)]
+    out = torch.full((m, n), float("nan"))
+    blocks.grouped_many_rows(x, raw, t, k, groups, out)
+    for g, a, b in groups:
+        if b == a:
+            continue
+        want = x[a:b].double() @ w[g].double().T
+        err = (out[a:b].double() - want).abs()
+        bound = fast_bound(x[a:b], w[g], 256 if block_elems(t) == 256 else 32)
+        assert (err <= bound).all(), (err / bound).max()
+        assert bound.sum() < 0.05 * (x[a:b].abs().double() @ w[g].abs().double().T).sum()
+        assert (err > exact_bound(x[a:b], w[g], grouped_chain(k))).any()  # really quantised
+
+
 def test_strided_rows():
     """x and out with row strides larger than their rows (views into wider tensors)."""
     t, m, n, k = T.Q4_K, 5, 9, 512
@@ -224,7 +251,12 @@ def test_thread_count_does_not_change_results(t):
                 outs.append(out)
             out = torch.empty(m, n)
             blocks.many_rows_product(x, raw[0], t, k, out)
-            results.append(outs + [out])
+            outs.append(out)
+            if t not in FLOATS:
+                out = torch.empty(m, n)
+                blocks.grouped_many_rows(x, raw, t, k, groups, out)
+                outs.append(out)
+            results.append(outs)
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):
@@ -244,6 +276,15 @@ def test_a_row_does_not_depend_on_the_others_in_its_group(t):
             alone = torch.empty(1, n)
             blocks.grouped_product(x[i:i + 1], raw, t, k, [(0, 0, 1)], alone, fast)
             assert torch.equal(alone[0], together[i])
+    if t in FLOATS:
+        return
+    # many rows: a row's result is the same whichever register tile (1-4 rows) it falls in
+    together = torch.empty(m, n)
+    blocks.grouped_many_rows(x, raw, t, k, [(0, 0, m)], together)
+    for a, b in ((0, 1), (1, 3), (3, 6), (6, 7)):
+        part = torch.empty(b - a, n)
+        blocks.grouped_many_rows(x[a:b], raw, t, k, [(0, 0, b - a)], part)
+        assert torch.equal(part, together[a:b])
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -272,3 +313,7 @@ def test_bad_arguments_raise_value_error():
         blocks.grouped_product(x, raw[None], T.Q4_K, k, [(0, 0, 2)], torch.empty(2, 5), True)
     with pytest.raises(ValueError):
         blocks.many_rows_product(x.double(), raw, T.Q4_K, k, out)
+    with pytest.raises(ValueError):
+        blocks.grouped_many_rows(x, raw[None], T.Q4_K, k, [(0, 1, 3)], out)  # past the rows
+    with pytest.raises(ValueError):
+        blocks.grouped_many_rows(x, torch.zeros(1, 4, 2 * k, dtype=torch.uint8), T.F16, k, [(0, 0, 2)], out)

@@ -89,10 +89,12 @@ def test_weights_stay_in_their_blocks_and_fuse_only_when_types_match(f32_file, t
     a, ids_a = prompt_logprobs(mixed)
     b, ids_b = prompt_logprobs(same)
     assert ids_a == ids_b and (a - b).abs().max() < 1e-4
-    # the fast mode (8-bit activations) is a different computation, close to the exact one: the tiny
-    # random models amplify rounding (bfloat16 activations alone moved these logprobs ~0.2 nats on average)
+    # the fast mode (8-bit activations, prompt products included) is a different computation, close
+    # to the exact one: the tiny random models amplify rounding (bfloat16 activations alone moved
+    # these logprobs ~0.2 nats on average; measured 0.38 here, and the same 0.38 with every prompt
+    # product through the few-row kernel instead of the many-row one)
     fast, _ = prompt_logprobs(mixed, "auto")
-    assert 0 < (fast - a).abs().mean() < 0.3
+    assert 0 < (fast - a).abs().mean() < 0.5
 
 
 def test_trailing_unit_dimensions_are_absent(f32_file, tmp_path):

@@ -193,7 +193,10 @@ static int64_t act_pos(int t, int64_t e) {
 static inline int round_even(float v) { return (int)((v + 12582912.0f) - 12582912.0f); }
 
 /* Row x of k values to int8 blocks of qb: d = amax / 127, q = round(x / d), |x - d q| <= d / 2. */
-static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row) {
+/* natural: q in the natural order (the many-row kernels), stored as q + 128 (unsigned) when
+ * natural is 2; else in act_pos's order. */
+static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row,
+                         int natural) {
     int8_t *q = xq->q + row * xq->kq;
     const int64_t nb = xq->nb, lanes = 16 / group_blocks(t);
     for (int64_t b = 0; b < nb; b++) {
@@ -212,7 +215,10 @@ static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quan
         for (int i = 0; i < qb; i++) {
             int r = round_even(v[i] * inv);
             r = r > 127 ? 127 : r < -127 ? -127 : r;
-            q[act_pos(t, b * qb + i)] = (int8_t)r;
+            if (natural)
+                q[b * qb + i] = (int8_t)(natural == 2 ? (uint8_t)(r + 128) : r);
+            else
+                q[act_pos(t, b * qb + i)] = (int8_t)r;
             sum += r;
             part += r;
             if (i % 16 == 15) {
@@ -1054,7 +1060,7 @@ static void *zalloc64(size_t bytes) {
 
 /* The activation quantisation buffers for m rows of type t's blocks of qb (NULL members when out
  * of memory); q and the lane arrays zeroed, for their padding. */
-static quantized_x alloc_x(int t, int64_t m, int64_t k, int qb) {
+static quantized_x alloc_x(int t, int64_t m, int64_t k, int qb, int natural) {
     quantized_x xq = {0};
     const int g = group_blocks(t);
     xq.nb = (k / qb + 1) / 2 * 2;
@@ -1064,7 +1070,7 @@ static quantized_x alloc_x(int t, int64_t m, int64_t k, int qb) {
     xq.ds = alloc64((size_t)(m * xq.nb) * sizeof(float));
     xq.corr = alloc64((size_t)(m * xq.nb) * sizeof(int32_t));
     xq.bsum = alloc64((size_t)(m * (k / 16)) * sizeof(int16_t) + 64);
-    if (qb == 32) {
+    if (qb == 32 && !natural) {
         xq.lanes = (k / 32 + g - 1) / g * 16;
         xq.lane_d = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
         xq.lane_ds = zalloc64((size_t)(m * xq.lanes) * sizeof(float));
@@ -1100,7 +1106,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), blocks = (n + NR - 1) / NR;
     quantized_x xq = {0};
     if (mode) {
-        xq = alloc_x(t, m, k, mode == 2 ? QK : 32);
+        xq = alloc_x(t, m, k, mode == 2 ? QK : 32, 0);
         if (!x_allocated(&xq)) {
             free_x(&xq);
             return -1;
@@ -1130,7 +1136,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
         if (mode) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++)
-                quantize_row(t, x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i);
+                quantize_row(t, x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i, 0);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < count * blocks; item++) {
@@ -1206,5 +1212,234 @@ int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64
         }
         free(buffer);
     }
+    return failed ? -1 : 0;
+}
+
+/* ---- fast mode, many rows (prefill): integer products over a tile of unpacked weight rows ------
+ *
+ * Each thread unpacks MANY_TILE weight rows into cache (row_a: bytes u and per-block scales;
+ * block_k: super-blocks), once per call, and multiplies them with every activation row of the
+ * group, quantised as the few-row path does but in the natural order. On AVX-512 a register
+ * tile of activation rows x weight rows shares each load; every output keeps its own
+ * accumulators in a fixed order, so it depends neither on the tiling nor on the thread count. */
+
+#define MANY_TILE 16
+
+/* A tile row of a 32-block type: row_a, plus on AVX-512 the signed weights u - off and, per int32
+ * lane of a 64-byte register (8 lanes per block), the block's dw, its dm (first lane only) and
+ * -128 times the sum of its signed weights (first lane only): the activations come as q + 128. */
+typedef struct {
+    row_a a;
+    int8_t *s;        /* [kq] */
+    float *wd, *wm;   /* [lanes] */
+    int32_t *wcorr;   /* [lanes] */
+} tile_row_a;
+
+#if ARCH == 2
+
+/* The scales v[2c] and v[2c + 1] of two blocks over their 8 lanes each. */
+static inline __m512 pair_lanes(const float *v) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)v))));
+}
+
+/* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for 32-block weights: per 64 bytes (two
+ * blocks), dpbusd sums (q + 128) s per lane from -128 sum s, scaled by dw * dx per lane. */
+INLINE void tile_a(int RM, int RN, int mins, const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row,
+                   float *y, int64_t ldy) {
+    __m512 acc[4][4];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < (k + 63) / 64; c++) {
+        __m512i q[4];
+        __m512 dx[4], ds[4];
+        for (int i = 0; i < RM; i++) {
+            q[i] = _mm512_load_si512(xq->q + (row + i) * xq->kq + 64 * c);
+            dx[i] = pair_lanes(xq->d + (row + i) * xq->nb + 2 * c);
+            if (mins) ds[i] = pair_lanes(xq->ds + (row + i) * xq->nb + 2 * c);
+        }
+        for (int j = 0; j < RN; j++) {
+            const __m512i ws = _mm512_load_si512(w[j].s + 64 * c), corr = _mm512_load_si512(w[j].wcorr + 16 * c);
+            const __m512 wd = _mm512_load_ps(w[j].wd + 16 * c);
+            for (int i = 0; i < RM; i++) {
+                const __m512i s = _mm512_dpbusd_epi32(corr, q[i], ws);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx[i], wd), acc[i][j]);
+                if (mins) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(w[j].wm + 16 * c), ds[i], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static inline float hsum256(__m256 v) {
+    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+}
+
+/* The same for K-quants: per super-block, maddubs pairs u * q into int16 and dpwssd scales them
+ * per 16 into int32 (plus the offset's term -off sc bsum), scaled by dw * dx; the mins
+ * mn bsum are scaled by dm * dx apart. kind: 1 = an offset (Q3_K, Q6_K), 2 = mins. */
+INLINE void tile_k(int RM, int RN, int kind, block_k *const *w, int64_t k, const quantized_x *xq, int64_t row,
+                   float *y, int64_t ldy) {
+    __m512 acc[4][2];
+    __m256 accm[4][2];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) {
+            acc[i][j] = _mm512_setzero_ps();
+            accm[i][j] = _mm256_setzero_ps();
+        }
+    for (int64_t b = 0; b < k / QK; b++) {
+        __m512i s[4][2];
+        for (int i = 0; i < RM; i++)
+            for (int j = 0; j < RN; j++) s[i][j] = _mm512_setzero_si512();
+        for (int z = 0; z < 4; z++) {
+            __m512i q[4];
+            for (int i = 0; i < RM; i++) q[i] = _mm512_load_si512(xq->q + (row + i) * xq->kq + QK * b + 64 * z);
+            for (int j = 0; j < RN; j++) {
+                const __m512i u = _mm512_load_si512(w[j][b].u + 64 * z);
+                const __m512i sc = _mm512_load_si512(w[j][b].scx + 32 * z);
+                for (int i = 0; i < RM; i++) s[i][j] = _mm512_dpwssd_epi32(s[i][j], _mm512_maddubs_epi16(u, q[i]), sc);
+            }
+        }
+        for (int i = 0; i < RM; i++) {
+            const __m256i bsum = _mm256_loadu_si256((const __m256i *)(xq->bsum + (row + i) * (k / 16) + 16 * b));
+            const float dx = xq->d[(row + i) * xq->nb + b];
+            for (int j = 0; j < RN; j++) {
+                const block_k *c = &w[j][b];
+                __m512i t = s[i][j];
+                if (kind == 1)
+                    t = _mm512_add_epi32(t, _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->offsc))));
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(c->dw * dx), acc[i][j]);
+                if (kind == 2)
+                    accm[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->mn))),
+                                                 _mm256_set1_ps(c->dm * dx), accm[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) - (kind == 2 ? hsum256(accm[i][j]) : 0.0f);
+}
+
+typedef void (*tile_a_fn)(const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
+typedef void (*tile_k_fn)(block_k *const *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
+
+#define TILE_A(M, N, X) static void tile_a_##M##_##N##_##X(const tile_row_a *w, int64_t k, const quantized_x *xq, \
+    int64_t row, float *y, int64_t ldy) { tile_a(M, N, X, w, k, xq, row, y, ldy); }
+#define TILE_K(M, N, X) static void tile_k_##M##_##N##_##X(block_k *const *w, int64_t k, const quantized_x *xq, \
+    int64_t row, float *y, int64_t ldy) { tile_k(M, N, X, w, k, xq, row, y, ldy); }
+#define ROWS4(F, N, X) F(1, N, X) F(2, N, X) F(3, N, X) F(4, N, X)
+ROWS4(TILE_A, 1, 0) ROWS4(TILE_A, 2, 0) ROWS4(TILE_A, 3, 0) ROWS4(TILE_A, 4, 0)
+ROWS4(TILE_A, 1, 1) ROWS4(TILE_A, 2, 1) ROWS4(TILE_A, 3, 1) ROWS4(TILE_A, 4, 1)
+ROWS4(TILE_K, 1, 1) ROWS4(TILE_K, 2, 1) ROWS4(TILE_K, 1, 2) ROWS4(TILE_K, 2, 2)
+#define COL4(P, N, X) {P##_1_##N##_##X, P##_2_##N##_##X, P##_3_##N##_##X, P##_4_##N##_##X}
+
+/* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row). */
+static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
+                      int64_t a, int64_t b, float *y, int64_t ldy) {
+    static const tile_a_fn ta[2][4][4] = {{COL4(tile_a, 1, 0), COL4(tile_a, 2, 0), COL4(tile_a, 3, 0), COL4(tile_a, 4, 0)},
+                                          {COL4(tile_a, 1, 1), COL4(tile_a, 2, 1), COL4(tile_a, 3, 1), COL4(tile_a, 4, 1)}};
+    static const tile_k_fn tk[2][2][4] = {{COL4(tile_k, 1, 1), COL4(tile_k, 2, 1)}, {COL4(tile_k, 1, 2), COL4(tile_k, 2, 2)}};
+    const int rn = is_k_quant(t) ? 2 : 4;
+    for (int64_t i = a; i < b; i += 4) {
+        const int rm = b - i < 4 ? (int)(b - i) : 4;
+        for (int j = 0; j < nr; j += rn) {
+            const int cols = nr - j < rn ? nr - j : rn;
+            if (is_k_quant(t))
+                tk[has_min_k(t)][cols - 1][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
+            else
+                ta[has_min_a(t)][cols - 1][rm - 1](wa + j, k, xq, i, y + i * ldy + j, ldy);
+        }
+    }
+}
+
+#else
+
+static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
+                      int64_t a, int64_t b, float *y, int64_t ldy) {
+    for (int64_t i = a; i < b; i++)
+        for (int j = 0; j < nr; j++)
+            y[i * ldy + j] = is_k_quant(t) ? dot_k(wk[j], xq, i, k) : dot_a(t, &wa[j].a, xq, i, k);
+}
+
+#endif
+
+/* Weight row w unpacked into tile row j: 32-blocks into wa[j], super-blocks into wk[j]. */
+static void unpack_tile_row(int t, const uint8_t *w, int64_t k, tile_row_a *wa, block_k **wk, int j) {
+    if (is_k_quant(t)) {
+        unpack_row_k(t, w, k, wk[j]);
+        return;
+    }
+    unpack_row_a(t, w, k, &wa[j].a);
+#if ARCH == 2
+    const int off = offset_a(t);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(wa[j].a.u + 32 * b));
+        const __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256()); /* four partial sums of u */
+        const int sum = (int)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) + _mm256_extract_epi64(sad, 2) +
+                              _mm256_extract_epi64(sad, 3)) - 32 * off;
+        _mm256_storeu_si256((__m256i *)(wa[j].s + 32 * b), _mm256_sub_epi8(u, _mm256_set1_epi8((char)off)));
+        _mm256_storeu_ps(wa[j].wd + 8 * b, _mm256_set1_ps(wa[j].a.dw[b]));
+        wa[j].wm[8 * b] = wa[j].a.dm[b];
+        wa[j].wcorr[8 * b] = -128 * sum;
+    }
+#endif
+}
+
+/* raymoe_blocks_grouped's fast mode for groups of many rows (quantised weight types only):
+ * each (group, MANY_TILE weight rows) is one parallel work item. Returns 0, or -1 when out of
+ * memory. */
+int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, const uint8_t *raw, int64_t w_stride,
+                               const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
+    if (is_float(t)) return -2;
+    const int kq = is_k_quant(t), qb = kq ? QK : 32;
+    const int64_t row_bytes = k / block_elems(t) * block_bytes(t), tiles = (n + MANY_TILE - 1) / MANY_TILE;
+    /* AVX-512's 32-block kernel takes q + 128 (dpbusd multiplies unsigned by signed bytes) */
+    const int natural = ARCH == 2 && !kq ? 2 : 1;
+    quantized_x xq = alloc_x(t, m, k, qb, 1);
+    if (!x_allocated(&xq)) {
+        free_x(&xq);
+        return -1;
+    }
+    /* one tile row: 32-blocks: u and s [kq] (zero past k), wd, wm and wcorr [lanes], dw and dm
+     * [nb]; K-quants: k / QK super-blocks */
+    const int64_t lanes = 8 * xq.nb; /* a multiple of 16: 64-byte arrays */
+    const size_t row_size = kq ? (size_t)(k / QK) * sizeof(block_k)
+                               : 2 * (size_t)xq.kq + 3 * (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint8_t *buffer = zalloc64(MANY_TILE * ((row_size + 63) / 64 * 64));
+        tile_row_a wa[MANY_TILE];
+        block_k *wk[MANY_TILE];
+        for (int j = 0; buffer && j < MANY_TILE; j++) {
+            uint8_t *p = buffer + j * ((row_size + 63) / 64 * 64);
+            wk[j] = (block_k *)p;
+            wa[j].a.u = p;
+            wa[j].s = (int8_t *)(p + xq.kq);
+            wa[j].wd = (float *)(p + 2 * xq.kq);
+            wa[j].wm = wa[j].wd + lanes;
+            wa[j].wcorr = (int32_t *)(wa[j].wm + lanes);
+            wa[j].a.dw = (float *)(wa[j].wcorr + lanes);
+            wa[j].a.dm = wa[j].a.dw + xq.nb;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < count * tiles; item++) {
+            if (!buffer) {
+                failed = 1;
+                continue;
+            }
+            const int64_t *group = groups + 3 * (item / tiles);
+            const int64_t r0 = item % tiles * MANY_TILE;
+            const int nr = (int)(n - r0 < MANY_TILE ? n - r0 : MANY_TILE);
+            for (int j = 0; j < nr; j++) unpack_tile_row(t, raw + group[0] * w_stride + (r0 + j) * row_bytes, k, wa, wk, j);
+            many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy);
+        }
+        free(buffer);
+    }
+    free_x(&xq);
     return failed ? -1 : 0;
 }
