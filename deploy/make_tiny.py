@@ -3,21 +3,19 @@
     python -m deploy.make_tiny --arch qwen35moe|gptoss --out DIR
 
 DIR/hf holds config.json, model.safetensors and the tokenizer; DIR/<name>.gguf is the same
-model through deploy.convert. The embedded default model names resolve to a cached copy.
+model through deploy.convert. The tests build their oracle models with it; the embedded default
+models (models/) are trained ones, see deploy.train_tiny.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
 CACHE_DIR = os.environ.get("RAYMOE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raymoe"))
-FORMAT_VERSION = 1    # bump when the tiny models change, so stale caches are rebuilt
 
 
 def qwen35moe_config(vocab_size: int) -> dict:
@@ -156,26 +154,6 @@ def make_tiny(arch: str, out_dir: str, seed: int = 0, gguf_type: str = "f32") ->
         json.dump(config, f, indent=2)
     save_file(make_tensors(config, seed), os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     return convert(hf_dir, os.path.join(out_dir, f"tiny-{arch}.gguf"), gguf_type, progress=False)
-
-
-def embedded_model_path(name: str) -> str:
-    """The cached GGUF of an embedded default model, built on first use."""
-    arch = name.removeprefix("tiny-")
-    root = os.path.join(CACHE_DIR, f"{name}-v{FORMAT_VERSION}")
-    path = os.path.join(root, f"{name}.gguf")
-    if not os.path.exists(path):
-        os.makedirs(CACHE_DIR, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=CACHE_DIR, prefix=f".{name}-")
-        try:
-            make_tiny(arch, tmp)
-            try:
-                os.rename(tmp, root)        # atomic: concurrent builders race harmlessly
-            except OSError:
-                if not os.path.exists(path):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def main(argv=None) -> int:

@@ -135,7 +135,8 @@ CONFIGS = {
 }
 
 
-def train_tokenizer(family: str) -> Tokenizer:
+def train_tokenizer(family: str, corpus: list[str] | None = None, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` learned from `corpus` (lines with their endings; default: CORPUS)."""
     if family not in SPLITS:
         raise RaymoeError(f"unknown tokenizer family {family!r} (known: {', '.join(sorted(SPLITS))})")
     tok = Tokenizer(models.BPE(byte_fallback=False, fuse_unk=False))
@@ -147,20 +148,20 @@ def train_tokenizer(family: str) -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable
         show_progress=False,
     )
     # Lines keep their endings so that newline and whitespace runs get merges too.
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True) if corpus is None else corpus, trainer)
     # Added after training, so they take the ids after the learned vocabulary, as in the real models.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[family]])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS[family]])
     return tok
 
 
-def build_tiny_tokenizer(out_dir, family: str) -> Path:
-    tok = train_tokenizer(family)
+def build_tiny_tokenizer(out_dir, family: str, corpus: list[str] | None = None, vocab_size: int = VOCAB_SIZE) -> Path:
+    tok = train_tokenizer(family, corpus, vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))

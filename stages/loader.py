@@ -15,12 +15,13 @@ import torch
 
 from kernels.int8 import quantize_rows
 from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight, cat_weights
+from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
 from .family import global_tensor_shapes
 from .gguf_file import GGUFFile
 
-EMBEDDED_MODELS = ("tiny-qwen35moe", "tiny-gptoss")
+EMBEDDED_MODELS = tuple(EMBEDDED)
 
 # --dtype: how weight matrices compute. Activations are float32 in every mode.
 MODES = {
@@ -134,8 +135,10 @@ def _type_name(ggml_type: int) -> str:
 
 def resolve_model_path(model: str) -> str:
     if model in EMBEDDED_MODELS:
-        from deploy.make_tiny import embedded_model_path
-        return embedded_model_path(model)
+        path = embedded_model_path(model)
+        if not os.path.isfile(path):
+            raise ModelFormatError(f"{model}: its file {path} is missing (the embedded models ship in models/)")
+        return path
     if not os.path.exists(model):
         raise ModelFormatError(f"{model}: no such file or directory (and not one of {', '.join(EMBEDDED_MODELS)})")
     return model

@@ -83,16 +83,18 @@ def test_stop_strings(tmp_path):
 
 
 def test_hf_dir_and_gguf_agree(tmp_path):
-    from stages.loader import open_model
-    gguf_path = open_model("tiny-qwen35moe").path
-    hf_dir = os.path.join(os.path.dirname(gguf_path), "hf")
-    reqs = [{"prompt": "Pipelines", "max_tokens": 10, "temperature": 0, "logprobs": 1}]
-    a = run(tmp_path, reqs, name="gguf")[0]
-    src, out = tmp_path / "hf.in.jsonl", tmp_path / "hf.jsonl"
-    src.write_text(json.dumps(reqs[0]) + "\n")
-    assert generate.main(["--model", hf_dir, "--input", str(src), "--output", str(out)]) == 0
-    b = json.loads(out.read_text())
-    assert a["token_ids"] == b["token_ids"]
+    from deploy.make_tiny import make_tiny
+    gguf_path = make_tiny("qwen35moe", str(tmp_path / "model"))         # a random model: this is an exactness test
+    hf_dir = str(tmp_path / "model" / "hf")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Pipelines", "max_tokens": 10, "temperature": 0, "logprobs": 1}) + "\n")
+    outs = []
+    for model in (gguf_path, hf_dir):
+        out = tmp_path / f"{len(outs)}.jsonl"
+        assert generate.main(["--model", model, "--input", str(src), "--output", str(out)]) == 0
+        outs.append(json.loads(out.read_text()))
+    a, b = outs
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 10
     for x, y in zip(a["logprobs"], b["logprobs"]):
         assert abs(x["logprob"] - y["logprob"]) < 1e-5
 
