@@ -3,6 +3,9 @@ import sys
 
 # before torch loads: the suite runs Ray actors beside itself on few cores, so idle OpenMP workers sleep
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the Triton kernels (kernels/triton) run in Triton's interpreter on CPU tensors: set before anything imports
+# triton (torch and transformers may), since @triton.jit reads it when triton's modules load
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 

@@ -1,14 +1,11 @@
 """The Triton kernels (kernels/triton) in Triton's interpreter on CPU tensors, against the CPU kernels,
-within the bounds tests/triton_cases.py derives; tests/gpu/run.py runs the same cases compiled on a GPU."""
-import os
+within the bounds tests/triton_cases.py derives (TRITON_INTERPRET is set in tests/conftest.py); tests/gpu/run.py runs the same cases compiled on a GPU."""
+import pytest
+import torch
+import triton_cases
+from gguf import GGMLQuantizationType as T
 
-os.environ["TRITON_INTERPRET"] = "1"      # before triton is first imported: @triton.jit reads it then
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton_cases  # noqa: E402
-from gguf import GGMLQuantizationType as T  # noqa: E402
-from kernels.triton import attention, blocks, deltanet, launch  # noqa: E402
+from kernels.triton import attention, blocks, deltanet, launch     # in the interpreter: tests/conftest.py
 
 
 @pytest.mark.parametrize("check", [fn for _, fn in triton_cases.CASES], ids=[name for name, _ in triton_cases.CASES])
