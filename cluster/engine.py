@@ -106,7 +106,7 @@ def unwrap(error: Exception) -> Exception:
 class ClusterEngine:
     def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "auto",
                  transport: str = "object_store", threads: int | None = None, split: list[int] | None = None,
-                 microbatches: int = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
+                 microbatches: int | None = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
                  max_running: int | None = None, device: str = "cpu", fault_injection: dict | None = None,
                  max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT,
                  max_model_len: int | None = DEFAULT_MAX_MODEL_LEN, placement: str = "pack"):
@@ -114,6 +114,7 @@ class ClusterEngine:
         the model's whole context."""
         if device != "cpu":
             raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
+        microbatches = microbatches or pp        # None: one micro-batch group per stage
         if microbatches < pp:
             raise RaymoeError(f"--microbatches {microbatches} must be >= --pp {pp} to keep every stage busy")
         path = os.path.abspath(resolve_model_path(model))

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups of the local server (>= --pp)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batch groups of the local server (>= --pp; default: the server's, --pp)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16, help="requests per level at least")
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             from ray import serve
             serve.shutdown()
             ray.shutdown()
-    print(f"serving benchmark: {model}, pp={args.pp}, microbatches={args.microbatches}, streaming /v1/completions, max_tokens {args.max_tokens}, "
+    print(f"serving benchmark: {model}, pp={args.pp}, microbatches={args.microbatches or args.pp}, streaming /v1/completions, max_tokens {args.max_tokens}, "
           f"{args.prompt_words}-word prompts, temperature 1 (lengths vary: EOS ends some early)")
     print(table(rows))
     if args.json:

@@ -61,7 +61,7 @@ class ServeArgs(BaseModel):
     transport: str = "object_store"
     threads: int | None = None
     split: list[int] | None = None
-    microbatches: int = 4
+    microbatches: int | None = None          # None: --pp (one group per stage)
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
     max_running: int | None = None            # sequences holding caches at once (None: as many as fit, <= 64)
@@ -452,7 +452,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batch groups (>= --pp; default --pp: the fewest, largest batches; deploy.generate's 4 "
+                        "gives its outputs, the same at every --pp)")
     p.add_argument("--max-running", type=int, default=None,
                    help="sequences holding caches at once (default: as many as memory allows, at most 64)")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,

@@ -58,7 +58,8 @@ def server():
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED}),
+        # the batch job's micro-batch groups, so that the server's outputs equal deploy.generate's
+        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED, "microbatches": 4}),
                   name="raymoe-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
