@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5     # below it (and above 0) sampling is greedy: logits / temperature would overflow
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+NUCLEUS_GUESS = 256        # top-p first looks for its nucleus among this many best tokens
 
 
 @dataclass
@@ -130,7 +131,10 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        # the nucleus usually lies within the few hundred best tokens: sort those, not a 248k vocabulary
+        sorted_probs, order = torch.topk(probs, min(NUCLEUS_GUESS, probs.shape[0]))
+        if sorted_probs.sum() < p.top_p:
+            sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         drop[0] = False            # a top_p that is 0 in float32 (5e-324) still keeps the best token

@@ -175,3 +175,13 @@ def test_draws_follow_the_distribution():
         counts = torch.bincount(torch.tensor([sample_token(logits, params, 7, i) for i in range(n)]), minlength=5)
         sd = (expected * (1 - expected) / n).sqrt()
         assert ((counts / n - expected).abs() <= 4.5 * sd + 1e-9).all(), (counts / n, expected)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])     # a peaked row (nucleus among the best 256) and a flat one (not)
+def test_top_p_draws_only_from_the_nucleus_of_a_large_vocabulary(scale):
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * scale
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
+    nucleus = set(order[:int((probs.cumsum(0) - probs < 0.9).sum())].tolist())
+    drawn = {sample_token(logits, params, 3, i) for i in range(300)}
+    assert drawn <= nucleus and len(drawn) > 1
