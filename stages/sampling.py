@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5     # below it (and above 0) sampling is greedy: logits / temperature would overflow
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
-NUCLEUS_GUESS = 256        # top-p first looks for its nucleus among this many best tokens
+NUCLEUS_GUESSES = (256, 4096)   # top-p looks for its nucleus among this many best tokens before sorting them all
 
 
 @dataclass
@@ -132,8 +132,11 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1:
         # the nucleus usually lies within the few hundred best tokens: sort those, not a 248k vocabulary
-        sorted_probs, order = torch.topk(probs, min(NUCLEUS_GUESS, probs.shape[0]))
-        if sorted_probs.sum() < p.top_p:
+        for k in NUCLEUS_GUESSES:
+            sorted_probs, order = torch.topk(probs, min(k, probs.shape[0]))
+            if k >= probs.shape[0] or sorted_probs.sum() >= p.top_p:
+                break
+        else:
             sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
