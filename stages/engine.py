@@ -28,10 +28,6 @@ from .stage import Stage
 log = logging.getLogger("raymoe.engine")
 
 
-class SamplingError(Exception):
-    """The last stage could not sample a sequence's token; the message says why."""
-
-
 def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[range]:
     """Layer ranges per stage: `split` gives the layer counts, else an even split (earlier stages
     take the remainder)."""
@@ -91,15 +87,14 @@ class EngineCore:
         for c, result in zip(plan, results):
             seq = c.seq
             try:
-                if isinstance(result, str):
-                    raise SamplingError(result)
-                seq.record(c.length, *result)
-            except SamplingError as e:      # the last stage logged it with its traceback
-                seq.error = f"internal error: {e}"
-                seq.finish_reason = "error"
+                if isinstance(result, str):     # its sampling failed; the last stage logged the traceback
+                    seq.error = f"internal error: {result}"
+                else:
+                    seq.record(c.length, *result)
             except Exception as e:     # a bug or bad numbers in this sequence: it alone fails
                 log.exception("sequence %s (request %r) failed", seq.seq_id, seq.request_id)
                 seq.error = f"internal error: {type(e).__name__}: {e}"
+            if seq.error:
                 seq.finish_reason = "error"
             if seq.finish_reason is not None:
                 self.finish(seq)

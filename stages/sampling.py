@@ -151,7 +151,7 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
 
 @dataclass
 class ChunkSampling:
-    """What the last stage does with one chunk's logits (stages/scheduler.py builds it). `targets` are the
+    """What the last stage does with one chunk's logits (Sequence.sampling builds it). `targets` are the
     prompt tokens whose logprobs are wanted, predicted by the logit rows from `first`; `tip` is the logit row
     of the chunk's last token when a new token follows it (else None)."""
     first: int = 0
@@ -173,11 +173,11 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling]) -> list:
     out = []
     for c in chunks:
         try:
-            out.append(best[c.tip] if c.tip in best and not c.targets else _sample_chunk(logits, c))
+            out.append((best[c.tip], None, []) if c.tip in best and not c.targets else _sample_chunk(logits, c))
         except Exception as e:
             log.exception("sampling failed (seed %s, position %s)", c.seed, c.position)
             out.append(f"{type(e).__name__}: {e}")
-    return [(r, None, []) if isinstance(r, int) else r for r in out]
+    return out
 
 
 def _sample_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:

@@ -38,13 +38,7 @@ class Scheduler:
             return None
         plan, sampling, logit_rows, row = [], [], [], 0
         for seq, start, n in chosen:
-            # the logit rows this chunk needs: its prompt-logprob rows, then its tip
-            c = seq.sampling(start, n)
-            rows = [row + c.first + r for r in range(len(c.targets))]
-            c.first = len(logit_rows)
-            if c.tip is not None:
-                rows.append(row + c.tip)
-                c.tip = len(logit_rows) + len(rows) - 1
+            c, rows = seq.sampling(start, n, row, len(logit_rows))
             logit_rows.extend(rows)
             plan.append(PlannedChunk(seq, start, n))
             sampling.append(c)

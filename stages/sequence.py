@@ -28,18 +28,14 @@ class Sequence:
         self.error: str | None = None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def n_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_slice(self, start: int, length: int) -> list[int]:
         n = len(self.prompt_ids)
-        if start >= n:
+        if start >= n:          # a decode step: no copy of the prompt
             return self.output_ids[start - n:start - n + length]
-        return self.tokens[start:start + length]
+        return (self.prompt_ids + self.output_ids)[start:start + length]
 
     @property
     def prefilling(self) -> bool:
@@ -50,18 +46,23 @@ class Sequence:
         """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
         return self.n_cached, min(limit, self.n_tokens - self.n_cached)
 
-    def sampling(self, start: int, length: int) -> ChunkSampling:
-        """What the last stage computes for the chunk (start, length): the logprobs of the prompt tokens it
-        predicts that are not recorded yet (kept from before a recompute), and the next token at the tip."""
-        c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids))
+    def sampling(self, start: int, length: int, row: int, logit_row: int) -> tuple[ChunkSampling, list[int]]:
+        """What the last stage computes for the chunk (start, length), whose tokens are batch rows from `row`
+        and whose logits will be those from `logit_row`: the logprobs of the prompt tokens it predicts that are
+        not recorded yet (kept from before a recompute), and the next token at the tip. Returns it and the
+        batch rows it needs logits of."""
+        c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row)
+        rows = []
         if self.prompt_logprobs is not None:
             # row r predicts token start + r + 1; the next one to record is len(prompt_logprobs)
             first = max(len(self.prompt_logprobs), start + 1)
             c.targets = self.prompt_ids[first:min(start + length + 1, len(self.prompt_ids))]
-            c.first, c.prompt_k = first - start - 1, self.params.prompt_logprobs
+            c.prompt_k = self.params.prompt_logprobs
+            rows = list(range(row + first - start - 1, row + first - start - 1 + len(c.targets)))
         if start + length == self.n_tokens:
-            c.tip = length - 1
-        return c
+            c.tip = logit_row + len(rows)
+            rows.append(row + length - 1)
+        return c, rows
 
     def record(self, length: int, token: int | None, entry: dict | None, prompt_entries: list[dict]):
         """Apply what the last stage returned for a chunk of `length` tokens."""
