@@ -49,7 +49,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
     dk = q.shape[-1]
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     q = q * dk ** -0.5
-    out = torch.empty(v.shape, dtype=torch.float32)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[0]):
         out[t] = delta_rule_step(q[t], k[t], v[t], g[t], beta[t], state)
     return out, state
@@ -70,12 +70,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
     n_chunks = q.shape[1]
 
     cum = g.cumsum(-1)                                                # log decay from chunk start
-    future = torch.ones(chunk, chunk, dtype=torch.bool).triu(1)
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # Lower unit-triangular system (I + strictly_lower(beta k k^T decay)) solved once per chunk.
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    lower = torch.tril(system, -1) + torch.eye(chunk)
+    lower = torch.tril(system, -1) + torch.eye(chunk, device=q.device)
     u = torch.linalg.solve_triangular(lower, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(lower, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay                          # causal in-chunk attention
@@ -84,7 +84,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
     S = state.float().clone()
-    out = torch.empty(H, n_chunks, chunk, dv)
+    out = torch.empty(H, n_chunks, chunk, dv, device=q.device)
     for c in range(n_chunks):
         v_new = u[:, c] - w[:, c] @ S
         out[:, c] = q_dec[:, c] @ S + intra[:, c] @ v_new

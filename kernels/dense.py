@@ -30,6 +30,8 @@ def group_table(groups: list[tuple[int, int, int]]):
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """x [T, K] float32, w [N, K] float32 -> out [T, N]."""
+    if x.is_cuda:       # cuBLAS (float32: torch leaves TF32 off for matrix products by default)
+        return out.copy_(F.linear(x, w))
     if 0 < x.shape[0] <= FEW_ROWS and _few_rows_f32(x, w, [(0, 0, x.shape[0])], out, single=True):
         return out
     if x.shape[0] == 0:
@@ -56,6 +58,10 @@ def dense_grouped(x: torch.Tensor, weights: torch.Tensor, groups: list[tuple[int
                   out: torch.Tensor) -> torch.Tensor:
     """Rows a:b of x through weights[g] for each (g, a, b), into out. Groups of a few rows go to
     the compiled kernel in one call, longer ones one product each."""
+    if x.is_cuda:
+        for g, a, b in groups:
+            out[a:b] = F.linear(x[a:b], weights[g])
+        return out
     few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]
     if few and _few_rows_f32(x, weights, few, out):
         groups = [g for g in groups if g[2] - g[1] > FEW_ROWS]

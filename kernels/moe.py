@@ -56,15 +56,15 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     runs one product over its tokens, and the activation runs once over all of them.
     """
     experts = experts if experts is not None else range(gate_up.shape[0])
-    flat = ids.reshape(-1).numpy()
+    flat = ids.reshape(-1).cpu().numpy()      # the grouping is planned on the host (a sync on a GPU)
     order = np.argsort(flat, kind="stable")
     order = order[(flat[order] >= experts.start) & (flat[order] < experts.stop)]
     if len(order) == 0:
-        return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
+        return torch.empty(0, dtype=torch.long, device=x.device), x.new_empty(0, x.shape[1])
     local = flat[order] - experts.start
     cuts = (np.flatnonzero(np.diff(local)) + 1).tolist()
     groups = [(int(local[a]), a, b) for a, b in zip([0, *cuts], [*cuts, len(order)])]
-    slots = torch.from_numpy(order)
+    slots = torch.from_numpy(order).to(x.device)
     h = grouped_linear(x[slots // ids.shape[1]], gate_up, groups, gate_up_bias)
     return slots, grouped_linear(activation(h), down, groups, down_bias)
 

@@ -7,7 +7,9 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
   (the tokens of each expert);
 - `rows(ids)`: embedding rows as float32;
 - `w[a:b]`: a slice of the leading dimension (the experts an expert actor holds);
-- `shape`, `nbytes`, `dequantize()`.
+- `shape`, `nbytes`, `dequantize()`;
+- `to(device)`: the same weight on another device. On a CUDA device the products run as the Triton
+  kernels of kernels/triton (float32 activations: the exact mode; there is no 8-bit-activation path).
 
 The kinds: `DenseWeight` (float32), `BlockWeight` (GGML blocks exactly as the file stores them:
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4), `Int8Weight` (int8 rows, kernels/int8.py),
@@ -40,6 +42,9 @@ class DenseWeight:
 
     def __getitem__(self, index) -> "DenseWeight":
         return DenseWeight(self.t[index])
+
+    def to(self, device) -> "DenseWeight":
+        return DenseWeight(self.t.to(device))
 
     def dequantize(self) -> torch.Tensor:
         return self.t
@@ -79,6 +84,9 @@ class BlockWeight:
     def __getitem__(self, index) -> "BlockWeight":
         return BlockWeight(self.raw[index], self.type, self.k, self.quantize_activations)
 
+    def to(self, device) -> "BlockWeight":
+        return BlockWeight(self.raw.to(device), self.type, self.k, self.quantize_activations)
+
     def dequantize(self) -> torch.Tensor:
         flat = self.raw.reshape(-1, self.raw.shape[-1])
         return self._dequantize_rows(flat).reshape(self.shape)
@@ -87,6 +95,9 @@ class BlockWeight:
         return self._dequantize_rows(self.raw[ids])
 
     def _dequantize_rows(self, raw: torch.Tensor) -> torch.Tensor:
+        if raw.is_cuda:
+            from .triton import blocks as gpu_blocks
+            return gpu_blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
         if blocks.library() is None:      # no compiler: torch's bit-exact decoders
             from .dequant import dequantize
             return dequantize(raw.contiguous(), self.type)
@@ -99,6 +110,10 @@ class BlockWeight:
         return self._product(x, self.raw, groups, out)
 
     def _product(self, x, raw, groups, out):
+        if raw.is_cuda:
+            from .triton import blocks as gpu_blocks
+            return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(), raw, self.type, self.k,
+                                              [g for g in groups if g[2] > g[1]], out)
         if blocks.library() is None:      # no compiler: dequantise one weight at a time
             for g, a, b in groups:
                 out[a:b] = F.linear(x[a:b], BlockWeight(raw[g], self.type, self.k, False).dequantize())
@@ -148,6 +163,9 @@ class ConcatWeight:
         return torch.Size(shape)
 
     nbytes = property(lambda self: sum(p.nbytes for p in self.parts))
+
+    def to(self, device) -> "ConcatWeight":
+        return ConcatWeight([p.to(device) for p in self.parts], self.dim)
 
     def __getitem__(self, index) -> "ConcatWeight":
         return ConcatWeight([p[index] for p in self.parts], self.dim - (0 if isinstance(index, slice) else 1))

@@ -73,7 +73,8 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         # one table per step, shared by every layer (the parameters are the model's, not the layer's)
         if "rope" not in ctx.memo:
-            ctx.memo["rope"] = rope_cos_sin(ctx.positions, *self.rope)
+            inv_freq, scale = self.rope
+            ctx.memo["rope"] = rope_cos_sin(ctx.positions, inv_freq.to(ctx.positions.device), scale)
         cos, sin = ctx.memo["rope"]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty_like(q)

@@ -24,7 +24,7 @@ class KVCache:
             cap = max(n, 16)
             self.k = k.new_empty((cap,) + k.shape[1:])
             self.v = v.new_empty((cap,) + v.shape[1:])
-            self.pos = torch.empty(cap, dtype=torch.long)
+            self.pos = torch.empty(cap, dtype=torch.long, device=k.device)
         elif self.length + n > self.k.shape[0]:
             cap = max(self.length + n, 2 * self.k.shape[0])
             if self.max_len:
@@ -66,9 +66,9 @@ class KVCache:
 class DeltaNetCache:
     """Conv inputs of the last K-1 tokens and the float32 recurrent state [H_v, dk, dv]."""
 
-    def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype):
-        self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype)
-        self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32)
+    def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype, device=None):
+        self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype, device=device)
+        self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32, device=device)
         # batched decode: `state` is row `stacked_index` of `stacked` while it is `stacked_view`
         self.stacked = self.stacked_view = self.stacked_index = None
 

@@ -121,12 +121,12 @@ class EngineCore:
 
 class LocalEngine(EngineCore):
     def __init__(self, model: ModelFiles, n_stages: int = 1, mode: str = "auto",
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, device: str = "cpu"):
         super().__init__(model.config, model.tokenizer)
         if scheduler is not None:
             self.groups = [scheduler]
         self.model = model
-        self.stages = [Stage(model, r, mode) for r in split_layers(model.n_layers, n_stages)]
+        self.stages = [Stage(model, r, mode, device=device) for r in split_layers(model.n_layers, n_stages)]
 
     def step(self) -> list[Sequence]:
         """Run the next batch through every stage; returns the sequences that finished."""

@@ -171,7 +171,8 @@ class DeltaNetMixer:
 
     def new_cache(self):
         c = self.cfg
-        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.conv.dtype)
+        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.conv.dtype,
+                             self.conv.device)
 
     def _heads(self, mixed: torch.Tensor):
         """Split conv output [n, conv_dim] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
@@ -188,7 +189,7 @@ class DeltaNetMixer:
         qkv, z, beta, alpha = linear(x, self.inputs).split([c.conv_dim, c.value_dim, c.n_v_heads, c.n_v_heads], dim=-1)
         beta, alpha = torch.sigmoid(beta.float()), alpha.float()
         g = self.a * F.softplus(alpha + self.dt_bias)
-        y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim)
+        y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim, device=x.device)
         singles = []
         for sid, rows, _ in ctx.batch.segments():
             cache = ctx.caches[sid][layer]
@@ -206,7 +207,7 @@ class DeltaNetMixer:
 
     def _decode_step(self, qkv, g, beta, singles, y):
         """One token for each of several sequences at once, their states stacked."""
-        idx = torch.tensor([row for row, _ in singles])
+        idx = torch.tensor([row for row, _ in singles], device=qkv.device)
         caches = [cache for _, cache in singles]
         mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, torch.stack([ch.conv for ch in caches]))
         q, k, v = self._heads(mixed[:, 0])

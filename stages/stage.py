@@ -15,13 +15,28 @@ from .loader import MODES, ModelFiles
 from .sampling import sample_chunks
 
 
+def check_device(device: str, mode: str) -> torch.device:
+    """The torch device for --device, refused in one line where this machine or mode cannot run it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
+                             "use --device cpu")
+        if mode == "int8":
+            raise ValueError("--dtype int8 is a CPU mode (int8 rows); on --device cuda use auto or float32")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {device.type}: not supported (choose cpu or cuda)")
+    return device
+
+
 class StageWeights:
     """What layer builders read: `w(name)` a tensor of values (float32), `w.matrix(name)` a weight for
     products in the stage's mode (kernels/weights.py); either with `experts`, a slice of the leading
-    dimension. Counts the bytes it hands out."""
+    dimension. Everything is on `device`. Counts the bytes it hands out."""
 
-    def __init__(self, model: ModelFiles, shapes: dict, mode: str, progress=None):
+    def __init__(self, model: ModelFiles, shapes: dict, mode: str, progress=None, device: str = "cpu"):
         self.model, self.shapes, self.mode, self.progress = model, shapes, mode, progress
+        self.device = torch.device(device)
         self.nbytes = 0
 
     def __call__(self, name: str, experts: range | None = None) -> torch.Tensor:
@@ -35,6 +50,8 @@ class StageWeights:
         return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts))
 
     def _count(self, t):
+        if self.device.type != "cpu":
+            t = t.to(self.device)
         self.nbytes += t.nbytes
         if self.progress:
             self.progress(self.nbytes)
@@ -42,18 +59,21 @@ class StageWeights:
 
 
 class Stage:
-    def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None, progress=None):
+    def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None, progress=None,
+                 device: str = "cpu"):
         """mode: a key of stages.loader.MODES. remote_experts(layer, x, ids) -> (slots, rows), when routed
-        experts live in expert actors. progress(bytes) is called as weights are read."""
+        experts live in expert actors. progress(bytes) is called as weights are read. device: where the
+        weights, caches and activations live ("cpu", or "cuda" for the GPU this process sees)."""
         if mode not in MODES:
             raise ValueError(f"unknown --dtype {mode!r} (choose from {', '.join(MODES)})")
+        self.device = check_device(device, mode)
         self.config = model.config
         self.layers_range = layers
         self.first = layers.start == 0
         self.last = layers.stop == model.n_layers
         self.mode = mode
         shapes = model.expected_shapes(layers, self.first, self.last)
-        w = self.weights = StageWeights(model, shapes, mode, progress)
+        w = self.weights = StageWeights(model, shapes, mode, progress, device)
         self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
         self.layers = [model.arch.build_layer(model.config, w, i, remote_experts) for i in layers]
         if self.last:
@@ -84,8 +104,8 @@ class Stage:
         Returns hidden states [T, H]; on the last stage, per chunk what batch.sampling asks for (tokens and
         logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
         """
-        x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids)) if self.first else hidden
-        ctx = StepContext(batch=batch, positions=batch.positions(),
+        x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device)) if self.first else hidden
+        ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
         with torch_threads_for(batch.n_tokens):
             for layer in self.layers:
@@ -95,5 +115,5 @@ class Stage:
             if not self.last:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
-            logits = linear(x, self.head).float()
+            logits = linear(x, self.head).float().cpu()      # sampling runs on the host
         return logits if batch.sampling is None else sample_chunks(logits, batch.sampling)

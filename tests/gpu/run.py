@@ -8,6 +8,11 @@
    again at the models' head sizes (MODEL_SIZE_CASES, too slow for the interpreter).
 2. Batch-1 products straight from GGML blocks on a 4096 x 4096 weight per type: time per call and the
    weight bytes read per second, against the device's peak bandwidth when it is known.
+3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
+   against PP=1; then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
+   batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
+
+    --sections kernels,bandwidth,outputs,decode   (default: all)   --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
 Without CUDA it says so and exits 0. Exit status 1 when a case fails.
 
@@ -32,7 +37,7 @@ if "--record" not in sys.argv:      # compile for real: the interpreter must be 
 # setting the default silences Triton 3.9's warning that it will change
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
 
 import torch  # noqa: E402
 
@@ -175,6 +180,9 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel variant; no GPU needed")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     parser.add_argument("--record", help=argparse.SUPPRESS)
+    parser.add_argument("--sections", default="kernels,bandwidth,outputs,decode")
+    parser.add_argument("--decode-models", default="gpt-oss-20b,qwen3.5-35b-a3b")
+    parser.add_argument("--folder", default="/tmp", help="where the synthetic files are written (12-16 GB each)")
     args = parser.parse_args()
     if args.record:
         record_launches(args.record)
@@ -185,11 +193,30 @@ def main() -> int:
         print("tests/gpu/run.py: no CUDA device here (torch.cuda.is_available() is False): nothing to check. "
               "The kernels' logic is checked on CPU by tests/test_triton_kernels.py in Triton's interpreter.")
         return 0
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("Triton kernels against the CPU kernels:")
-    failures = check_kernels()
-    bandwidth()
-    print(f"{failures} case(s) failed" if failures else "all cases passed")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    import model_checks as models
+
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_GB_S.items() if k in name), None)
+    sections = {
+        "kernels": ("Triton kernels against the CPU kernels", check_kernels),
+        "bandwidth": ("block products", lambda: bandwidth() or 0),
+        "outputs": ("models on the GPU against the CPU", models.outputs),
+        "decode": ("full-size synthetic models", lambda: sum(models.decode(m, peak, args.folder)
+                                                             for m in args.decode_models.split(","))),
+    }
+    failures = 0
+    for key in args.sections.split(","):
+        title, run = sections[key]
+        print(f"== {title}", flush=True)
+        start = time.perf_counter()
+        try:
+            failures += run()
+        except Exception:           # report, then go on with the other sections
+            failures += 1
+            traceback.print_exc()
+        print(f"   ({key}: {time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{failures} check(s) failed" if failures else "all checks passed")
     return 1 if failures else 0
 
 

@@ -1,0 +1,143 @@
+"""The model checks of the GPU script (tests/gpu/run.py): whole models on the GPU, driven without Ray.
+
+outputs()   both embedded models on --device cuda against the CPU (float32 mode on both, so the same
+            arithmetic up to summation order): 32 greedy tokens for a batch of prompts must be the same
+            tokens, their logprobs within LOGPROB_BOUND; and the GPU at PP=2 and PP=4 (stages in one
+            process, on one device) must give the GPU's PP=1 results exactly.
+decode()    a full-size synthetic file (deploy.make_synthetic) on the GPU: load time, batch-1 decode
+            tok/s and the weight bytes it reads per second against the device's peak (the roofline:
+            bytes read per token / bandwidth), and the aggregate tok/s of BATCH sequences decoding together.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from stages.engine import LocalEngine
+from stages.loader import open_model
+from stages.sampling import SamplingParams
+
+# Summation order differs (cuBLAS and the Triton kernels against the CPU kernels) in float32; a logprob
+# is a difference of logits of size ~10 built from sums of thousands of terms: 1e-6 relative error per
+# product gives ~1e-4. The bound leaves a margin of 10.
+LOGPROB_BOUND = 1e-3
+PROMPTS = ["The quick brown fox", "def main():\n    return", "In the beginning the Universe was created.",
+           "Pipeline parallelism splits the layers of a model into stages, and each stage"]
+BATCH = 64
+
+
+def _generate(files, device: str, n_stages: int = 1, max_tokens: int = 32) -> list[dict]:
+    engine = LocalEngine(files, n_stages=n_stages, mode="float32", device=device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True)
+    seqs = [engine.add_request(str(i), files.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
+    engine.run_until_done()
+    return [s.result() for s in seqs]
+
+
+def _compare(cpu: list[dict], gpu: list[dict]) -> tuple[int, float]:
+    """(sequences whose tokens differ, largest |logprob difference| over the tokens both chose)."""
+    differ, worst = 0, 0.0
+    for a, b in zip(cpu, gpu):
+        if a["token_ids"] != b["token_ids"]:
+            differ += 1
+            first = next(i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y)
+            top = a["logprobs"][first]["top"]
+            print(f"    request {a['id']}: tokens differ from position {first} (CPU top-1 {top})")
+        for ea, eb in zip(a["logprobs"], b["logprobs"]):
+            if ea["token_id"] != eb["token_id"]:
+                break
+            worst = max(worst, abs(ea["logprob"] - eb["logprob"]))
+    return differ, worst
+
+
+def outputs() -> int:
+    failures = 0
+    for name in ("tiny-qwen35moe", "tiny-gptoss"):
+        files = open_model(name)
+        start = time.perf_counter()
+        cpu = _generate(files, "cpu")
+        gpu = _generate(files, "cuda")
+        differ, worst = _compare(cpu, gpu)
+        ok = differ == 0 and worst <= LOGPROB_BOUND
+        failures += not ok
+        print(f"  {'pass' if ok else 'FAIL'}  {name}: GPU vs CPU, {len(PROMPTS)} prompts x 32 greedy tokens: "
+              f"{differ} sequence(s) differ, max |logprob diff| {worst:.2e} (bound {LOGPROB_BOUND:g}) "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+        for n_stages in (2, 4):
+            same = _generate(files, "cuda", n_stages) == gpu
+            failures += not same
+            print(f"  {'pass' if same else 'FAIL'}  {name}: GPU PP={n_stages} = GPU PP=1 exactly", flush=True)
+    return failures
+
+
+def _bytes_per_token(files) -> tuple[int, int]:
+    """(weight bytes the file holds, weight bytes one batch-1 decode step reads): every matrix once,
+    the routed experts' share n_used / n_expert, the embedding one row."""
+    cfg, total, read = files.config, 0, 0
+    for name, info in files.source.tensors.items():
+        total += info.n_bytes
+        if name == "token_embd.weight":
+            read += info.n_bytes // cfg.vocab
+        elif "_exps." in name:
+            read += info.n_bytes * cfg.n_expert_used // cfg.n_expert
+        else:
+            read += info.n_bytes
+    return total, read
+
+
+def _decode_rate(engine, n_steps: int) -> tuple[float, int]:
+    """(seconds, tokens) of n_steps engine steps once every sequence decodes."""
+    while any(s.n_cached < len(s.prompt_ids) for s in engine.sequences.values()):
+        engine.step()
+    engine.step()          # warm: every kernel variant of a decode step compiled
+    torch.cuda.synchronize()
+    before = sum(len(s.output_ids) for s in engine.sequences.values())
+    start = time.perf_counter()
+    for _ in range(n_steps):
+        engine.step()
+    seconds = time.perf_counter() - start      # each step ends with its logits on the host: synchronised
+    return seconds, sum(len(s.output_ids) for s in engine.sequences.values()) - before
+
+
+def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
+    path = os.path.join(folder, f"{model}.gguf")
+    if not os.path.exists(path):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", model, "--out", path], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"  wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    files = open_model(path, max_model_len=4096)
+    total, per_token = _bytes_per_token(files)
+    start = time.perf_counter()
+    engine = LocalEngine(files, mode="auto", device="cuda")
+    torch.cuda.synchronize()
+    load = time.perf_counter() - start
+    print(f"  {model}: {total / 1e9:.2f} GB of weights loaded to the GPU in {load:.1f} s "
+          f"({total / load / 1e9:.1f} GB/s); a batch-1 decode step reads {per_token / 1e9:.2f} GB", flush=True)
+    prompt = files.tokenizer.encode("The quick brown fox jumps over the lazy dog")[:8]
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    engine.add_request("one", prompt, params)
+    seconds, tokens = _decode_rate(engine, 32)
+    single = tokens / seconds
+    rate = per_token * single / 1e9
+    roofline = peak_gb_s * 1e9 / per_token if peak_gb_s else math.nan
+    print(f"  batch 1: {single:.1f} tok/s ({1000 / single:.2f} ms/token), weights read at {rate:.0f} GB/s"
+          + (f" = {single / roofline:.1%} of the HBM roofline ({roofline:.0f} tok/s at {peak_gb_s:.0f} GB/s)"
+             if peak_gb_s else ""), flush=True)
+    for seq in list(engine.sequences.values()):
+        engine.finish(seq, "abort")
+    engine.stages[0].caches.clear()
+    for i in range(BATCH):
+        engine.add_request(f"b{i}", prompt, params)
+    seconds, tokens = _decode_rate(engine, 16)
+    batched = tokens / seconds
+    print(f"  batch {BATCH}: {batched:.1f} tok/s aggregate = {batched / single:.1f}x batch 1 "
+          f"(max memory allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    return 0
