@@ -25,6 +25,13 @@ def grouped_linear(x: torch.Tensor, weights, groups: list[tuple[int, int, int]],
     return out
 
 
+def slot_linear(x: torch.Tensor, weights, experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i of x through weights[experts[i]] (and bias[experts[i]]), the ids on the device (CUDA)."""
+    weights = as_weight(weights)
+    out = weights.slots(x, experts, x.new_empty(x.shape[0], weights.shape[-2]))
+    return out if bias is None else out.add_(bias[experts])
+
+
 def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:
     """Embedding rows of a weight table as float32."""
     return as_weight(table).rows(ids)

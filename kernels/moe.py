@@ -11,7 +11,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .linear import grouped_linear
+from .linear import grouped_linear, slot_linear
+
+# On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
+# device (no host synchronisation; an expert chosen by several of them is read once per slot); more are
+# sorted by expert on the host so that each expert's weights are read once.
+GPU_SLOT_PRODUCTS = 16
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
@@ -55,6 +60,10 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     indices t*k + j and their outputs [n, H]. Slots are sorted by expert, so each expert
     runs one product over its tokens, and the activation runs once over all of them.
     """
+    if x.is_cuda and experts is None and ids.numel() <= GPU_SLOT_PRODUCTS:
+        flat = ids.reshape(-1)
+        h = slot_linear(x.repeat_interleave(ids.shape[1], 0), gate_up, flat, gate_up_bias)
+        return torch.arange(flat.numel(), device=x.device), slot_linear(activation(h), down, flat, down_bias)
     experts = experts if experts is not None else range(gate_up.shape[0])
     flat = ids.reshape(-1).cpu().numpy()      # the grouping is planned on the host (a sync on a GPU)
     order = np.argsort(flat, kind="stable")

@@ -5,6 +5,8 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
 - `linear(x, out)`: `out = x W^T` for x [T, K] and a weight [N, K];
 - `grouped(x, groups, out)`: rows a:b of x through weight g, for each (g, a, b), of a stack [G, N, K]
   (the tokens of each expert);
+- `slots(x, experts, out)` (CUDA only): row i of x through weight experts[i] of a stack, the expert ids
+  on the device (no host synchronisation);
 - `rows(ids)`: embedding rows as float32;
 - `w[a:b]`: a slice of the leading dimension (the experts an expert actor holds);
 - `shape`, `nbytes`, `dequantize()`;
@@ -58,6 +60,9 @@ class DenseWeight:
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return dense_grouped(x, self.t, groups, out)
 
+    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(torch.bmm(self.t[experts], x[:, :, None])[..., 0])
+
     def same_format(self, other) -> bool:
         return True
 
@@ -108,6 +113,10 @@ class BlockWeight:
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.raw, groups, out)
+
+    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from .triton import blocks as gpu_blocks
+        return gpu_blocks.slot_product(x.contiguous(), self.raw, self.type, self.k, experts, out)
 
     def _product(self, x, raw, groups, out):
         if raw.is_cuda:
@@ -190,6 +199,11 @@ class ConcatWeight:
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         for part, columns in self._columns(out):
             part.grouped(x, groups, columns)
+        return out
+
+    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for part, columns in self._columns(out):
+            part.slots(x, experts, columns)
         return out
 
 

@@ -119,6 +119,22 @@ def check_grouped_product(t: T, device: str) -> None:
         assert_within(cpu, want, bound, f"{t.name} CPU kernel")
 
 
+def check_slot_product(t: T, device: str) -> None:
+    """Each row through the expert its id names, the ids a device tensor (routed decode tokens, repeats
+    included): the bound of check_grouped_product."""
+    rng = np.random.default_rng(300 + int(t))
+    k, n, experts = block_row_length(t), 40, 4
+    raw = random_blocks(rng, t, experts * n, k).reshape(experts, n, -1)
+    x = torch.from_numpy(rng.standard_normal((6, k), dtype=np.float32))
+    ids = torch.tensor([3, 0, 3, 1, 2, 0])
+    out = torch.empty(6, n, device=device)
+    blocks.slot_product(x.to(device), raw.to(device), t, k, ids.to(device), out)
+    w = dequantize(raw, t).double()[ids]
+    want = torch.einsum("mk,mnk->mn", x.double(), w)
+    mag = torch.einsum("mk,mnk->mn", x.double().abs(), w.abs())
+    assert_within(out, want, (32 + k / 32 + 2) * U * mag, f"{t.name} slot product")
+
+
 def check_linear(device: str) -> None:
     """One decode row and one prefill-sized batch through `linear` (a single group), Q4_K: the bound of
     check_grouped_product."""
@@ -292,6 +308,7 @@ BLOCK_TYPES = list(blocks.TYPES)
 # every case as (name, function of the device)
 CASES = ([(f"dequantize {t.name}", lambda device, t=t: check_dequantize(t, device)) for t in BLOCK_TYPES]
          + [(f"grouped product {t.name}", lambda device, t=t: check_grouped_product(t, device)) for t in BLOCK_TYPES]
+         + [(f"slot product {t.name}", lambda device, t=t: check_slot_product(t, device)) for t in (T.Q4_K, T.MXFP4)]
          + [("linear", check_linear), ("rms_norm", check_rms_norm), ("rope", check_rope),
             ("routing", check_routing), ("attention", check_attention), ("delta rule", check_delta_rule),
             ("causal conv1d", check_causal_conv1d)])

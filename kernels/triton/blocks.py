@@ -223,6 +223,26 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torc
     return grouped_product(x, raw[None], ggml_type, k, [(0, 0, x.shape[0])], out)
 
 
+def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, experts: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """out[i] = x[i] @ deq(raw[experts[i]]).T for every row i: experts int64 [M] stays on the device, so
+    routed tokens need no sorting on the host (no synchronisation: decode's few tokens). Ids must be
+    in range (the router's top-k are)."""
+    _check_raw(raw, ggml_type, k, 3)
+    _check_matrix(x, "x", None, k)
+    m, n = x.shape[0], raw.shape[1]
+    _check_matrix(out, "out", m, n)
+    check_device(x, raw, out, experts)
+    if m and n:
+        rows = torch.arange(m, device=x.device)
+        table = torch.stack((experts.reshape(-1).to(torch.int64), rows, rows + 1), 1).contiguous()
+        qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+        _product_kernel[(triton.cdiv(n, 32), m, 1)](
+            x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out, out.stride(0), n, k, TYPE=int(ggml_type),
+            QK=qk, TYPE_SIZE=type_size, BLOCK_M=1, BLOCK_N=32, DOT=False)
+    return out
+
+
 def _launch(x, raw, ggml_type, k, groups, out, block_m, block_n, dot):
     qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
     table = torch.tensor(groups, dtype=torch.int64, device=x.device)

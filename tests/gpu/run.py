@@ -9,10 +9,11 @@
 2. Batch-1 products straight from GGML blocks on a 4096 x 4096 weight per type: time per call and the
    weight bytes read per second, against the device's peak bandwidth when it is known.
 3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
-   against PP=1; then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
+   against PP=1; PP=2 with the second stage in another process, activations through CUDA IPC
+   (cluster/cuda_ipc.py); then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
    batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
 
-    --sections kernels,bandwidth,outputs,decode   (default: all)   --decode-models gpt-oss-20b,qwen3.5-35b-a3b
+    --sections kernels,bandwidth,outputs,ipc,decode   (default: all)   --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
 Without CUDA it says so and exits 0. Exit status 1 when a case fails.
 
@@ -180,7 +181,7 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel variant; no GPU needed")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     parser.add_argument("--record", help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default="kernels,bandwidth,outputs,decode")
+    parser.add_argument("--sections", default="kernels,bandwidth,outputs,ipc,decode")
     parser.add_argument("--decode-models", default="gpt-oss-20b,qwen3.5-35b-a3b")
     parser.add_argument("--folder", default="/tmp", help="where the synthetic files are written (12-16 GB each)")
     args = parser.parse_args()
@@ -202,6 +203,7 @@ def main() -> int:
         "kernels": ("Triton kernels against the CPU kernels", check_kernels),
         "bandwidth": ("block products", lambda: bandwidth() or 0),
         "outputs": ("models on the GPU against the CPU", models.outputs),
+        "ipc": ("PP=2 across processes through CUDA IPC", models.ipc),
         "decode": ("full-size synthetic models", lambda: sum(models.decode(m, peak, args.folder)
                                                              for m in args.decode_models.split(","))),
     }
