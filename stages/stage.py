@@ -104,7 +104,10 @@ class Stage:
         Returns hidden states [T, H]; on the last stage, per chunk what batch.sampling asks for (tokens and
         logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
         """
-        x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device)) if self.first else hidden
+        if self.first:
+            x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device))
+        else:       # a transport that stages through the host hands a CPU tensor to a GPU stage
+            x = hidden.to(self.device)
         ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
         with torch_threads_for(batch.n_tokens):

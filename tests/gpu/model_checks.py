@@ -104,6 +104,27 @@ def _decode_rate(engine, n_steps: int) -> tuple[float, int]:
     return seconds, sum(len(s.output_ids) for s in engine.sequences.values()) - before
 
 
+def _profile_step(engine, steps: int = 4):
+    """Where a decode step's time goes: the GPU's kernel time per step against the wall time, and the
+    kernels that take most of it (the rest of the wall time is the host launching them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu = sum(e.device_time_total for e in events) / steps / 1e6
+    launches = sum(e.count for e in events) / steps
+    print(f"  profile (under the profiler, which slows the host): {wall * 1000:.1f} ms per step, GPU busy "
+          f"{gpu * 1000:.1f} ms in {launches:.0f} kernels; most time:", flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:5]:
+        print(f"    {e.device_time_total / steps / 1000:8.2f} ms  x{e.count // steps:<5} {e.key[:90]}", flush=True)
+
+
 def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
@@ -129,6 +150,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     print(f"  batch 1: {single:.1f} tok/s ({1000 / single:.2f} ms/token), weights read at {rate:.0f} GB/s"
           + (f" = {single / roofline:.1%} of the HBM roofline ({roofline:.0f} tok/s at {peak_gb_s:.0f} GB/s)"
              if peak_gb_s else ""), flush=True)
+    _profile_step(engine)
     for seq in list(engine.sequences.values()):
         engine.finish(seq, "abort")
     engine.stages[0].caches.clear()
