@@ -14,8 +14,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """q [Tq, Hq, D], k/v [Tk, Hkv, D], q_pos [Tq], k_pos [Tk] -> [Tq, Hq, D].
 
     Query head h reads KV head h // (Hq / Hkv). A key is visible when k_pos <= q_pos and,
-    with a window, k_pos > q_pos - window.
+    with a window, k_pos > q_pos - window. CUDA tensors go to the Triton kernel (online softmax, one
+    launch) where its tiles fit the head size (a power of two, at least 16).
     """
+    d = q.shape[-1]
+    if q.is_cuda and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
+        from .triton.attention import attention as gpu_attention
+        return gpu_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
     tq, hq, d = q.shape
     tk, hkv, dv = v.shape
     group = hq // hkv

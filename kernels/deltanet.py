@@ -5,11 +5,20 @@ Per V-head state S [dk, dv] (float32), per token:
 `delta_rule_recurrent` runs it token by token (decode); `delta_rule_chunked` computes the
 same thing 64 tokens at a time with the WY / triangular-solve form (prefill).
 Inputs q/k must already be L2-normalised and expanded to one head per V head.
+
+CUDA tensors go to the Triton kernels (kernels/triton/deltanet.py: same contracts) where their head
+sizes fit them (powers of two; the chunked form needs them and the chunk at least 16).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def _gpu(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether the Triton delta rule takes these: CUDA, power-of-two head sizes, a contiguous state."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    return q.is_cuda and state.is_contiguous() and dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,6 +27,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
 
     Returns (y [..., T, C], new_state [..., K-1, C]).
     """
+    if x.is_cuda and x.dtype == torch.float32:
+        from .triton import deltanet
+        return deltanet.causal_conv1d(x, weight.float(), state.float())
     kernel = weight.shape[1]
     full = torch.cat((state.to(x.dtype), x), dim=-2)                # [..., T+K-1, C]
     windows = full.unfold(-2, kernel, 1)                              # [..., T, C, K]
@@ -33,6 +45,9 @@ def delta_rule_step(q, k, v, g, beta, state):
     update `S <- exp(g) S + k delta^T` runs in place, so the state is read three times and
     written twice per token rather than materialising the outer product.
     """
+    if _gpu(q, v, state):
+        from .triton import deltanet
+        return deltanet.delta_rule_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
     dk, dv = state.shape[-2:]
     S = state.view(-1, dk, dv)
     decay = g.exp()[..., None]
@@ -46,6 +61,9 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
     """q/k [T, H, dk], v [T, H, dv], g/beta [T, H], state [H, dk, dv] float32 -> (y [T, H, dv], state).
 
     The state is updated in place (and returned)."""
+    if _gpu(q, v, state):
+        from .triton import deltanet
+        return deltanet.delta_rule_recurrent(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
     dk = q.shape[-1]
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     q = q * dk ** -0.5
@@ -57,6 +75,9 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
     """Same contract as `delta_rule_recurrent`, computed chunk by chunk (WY representation)."""
+    if _gpu(q, v, state) and min(q.shape[-1], v.shape[-1], chunk) >= 16:
+        from .triton import deltanet
+        return deltanet.delta_rule_chunked(q.float(), k.float(), v.float(), g.float(), beta.float(), state, chunk)
     T, H, dk = q.shape
     dv = v.shape[-1]
     pad = (-T) % chunk

@@ -21,6 +21,9 @@ GPU_SLOT_PRODUCTS = 16
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to 1 (Qwen)."""
+    if logits.is_cuda:
+        from .triton import moe
+        return moe.route_softmax_topk(logits.float(), k, renormalise)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalise:
@@ -30,6 +33,9 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
 
 def route_topk_softmax(logits: torch.Tensor, k: int):
     """Top k of the raw logits, softmax over those k (gpt-oss)."""
+    if logits.is_cuda:
+        from .triton import moe
+        return moe.route_topk_softmax(logits.float(), k)
     top, ids = torch.topk(logits.float(), k, dim=-1)
     return torch.softmax(top, dim=-1), ids
 

@@ -48,6 +48,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of every head of x [T, H, D]; the rest pass through."""
+    if x.is_cuda and x.dtype == torch.float32:       # one Triton launch
+        from .triton import rope
+        return rope.apply_rope(x, cos.float(), sin.float())
     rd = cos.shape[-1]
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     rot, rest = x[..., :rd], x[..., rd:]
