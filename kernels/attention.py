@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from .gpu_ops import use_triton
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, Hkv, D], q_pos [Tq], k_pos [Tk] -> [Tq, Hq, D].
 
     Query head h reads KV head h // (Hq / Hkv). A key is visible when k_pos <= q_pos and,
-    with a window, k_pos > q_pos - window. CUDA tensors go to the Triton kernel (online softmax, one
-    launch) where its tiles fit the head size (a power of two, at least 16).
+    with a window, k_pos > q_pos - window. On CUDA the Triton kernel (kernels/gpu_ops.py) takes head sizes
+    its tiles fit (a power of two, at least 16).
     """
     d = q.shape[-1]
-    if q.is_cuda and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
+    if use_triton("attention", q) and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
         from .triton.attention import attention as gpu_attention
         return gpu_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
     tq, hq, d = q.shape

@@ -6,19 +6,21 @@ Per V-head state S [dk, dv] (float32), per token:
 same thing 64 tokens at a time with the WY / triangular-solve form (prefill).
 Inputs q/k must already be L2-normalised and expanded to one head per V head.
 
-CUDA tensors go to the Triton kernels (kernels/triton/deltanet.py: same contracts) where their head
-sizes fit them (powers of two; the chunked form needs them and the chunk at least 16).
+On CUDA the Triton kernels (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head
+sizes they fit (powers of two; the chunked form needs them and the chunk at least 16).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .gpu_ops import use_triton
 
-def _gpu(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
+
+def _gpu(op: str, q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
     """Whether the Triton delta rule takes these: CUDA, power-of-two head sizes, a contiguous state."""
     dk, dv = q.shape[-1], v.shape[-1]
-    return q.is_cuda and state.is_contiguous() and dk & (dk - 1) == 0 and dv & (dv - 1) == 0
+    return use_triton(op, q) and state.is_contiguous() and dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +29,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
 
     Returns (y [..., T, C], new_state [..., K-1, C]).
     """
-    if x.is_cuda and x.dtype == torch.float32:
+    if use_triton("conv1d", x) and x.dtype == torch.float32:
         from .triton import deltanet
         return deltanet.causal_conv1d(x, weight.float(), state.float())
     kernel = weight.shape[1]
@@ -45,7 +47,7 @@ def delta_rule_step(q, k, v, g, beta, state):
     update `S <- exp(g) S + k delta^T` runs in place, so the state is read three times and
     written twice per token rather than materialising the outer product.
     """
-    if _gpu(q, v, state):
+    if _gpu("delta_step", q, v, state):
         from .triton import deltanet
         return deltanet.delta_rule_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
     dk, dv = state.shape[-2:]
@@ -61,7 +63,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
     """q/k [T, H, dk], v [T, H, dv], g/beta [T, H], state [H, dk, dv] float32 -> (y [T, H, dv], state).
 
     The state is updated in place (and returned)."""
-    if _gpu(q, v, state):
+    if _gpu("delta_rule", q, v, state):
         from .triton import deltanet
         return deltanet.delta_rule_recurrent(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
     dk = q.shape[-1]
@@ -75,7 +77,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
     """Same contract as `delta_rule_recurrent`, computed chunk by chunk (WY representation)."""
-    if _gpu(q, v, state) and min(q.shape[-1], v.shape[-1], chunk) >= 16:
+    if _gpu("delta_rule", q, v, state) and min(q.shape[-1], v.shape[-1], chunk) >= 16:
         from .triton import deltanet
         return deltanet.delta_rule_chunked(q.float(), k.float(), v.float(), g.float(), beta.float(), state, chunk)
     T, H, dk = q.shape

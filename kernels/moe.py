@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .gpu_ops import use_triton
 from .linear import grouped_linear, slot_linear
 
 # On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
@@ -21,7 +22,7 @@ GPU_SLOT_PRODUCTS = 16
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to 1 (Qwen)."""
-    if logits.is_cuda:
+    if use_triton("routing", logits):
         from .triton import moe
         return moe.route_softmax_topk(logits.float(), k, renormalise)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -33,7 +34,7 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
 
 def route_topk_softmax(logits: torch.Tensor, k: int):
     """Top k of the raw logits, softmax over those k (gpt-oss)."""
-    if logits.is_cuda:
+    if use_triton("routing", logits):
         from .triton import moe
         return moe.route_topk_softmax(logits.float(), k)
     top, ids = torch.topk(logits.float(), k, dim=-1)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .gpu_ops import use_triton
+
 
 def inv_frequencies(base: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
@@ -48,7 +50,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of every head of x [T, H, D]; the rest pass through."""
-    if x.is_cuda and x.dtype == torch.float32:       # one Triton launch
+    if use_triton("rope", x) and x.dtype == torch.float32:
         from .triton import rope
         return rope.apply_rope(x, cos.float(), sin.float())
     rd = cos.shape[-1]
