@@ -17,6 +17,8 @@ from .sampling import sample_chunks
 
 def check_device(device: str, mode: str) -> torch.device:
     """The torch device for --device, refused in one line where this machine or mode cannot run it."""
+    if str(device).split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: not supported (choose cpu or cuda)")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -24,8 +26,6 @@ def check_device(device: str, mode: str) -> torch.device:
                              "use --device cpu")
         if mode == "int8":
             raise ValueError("--dtype int8 is a CPU mode (int8 rows); on --device cuda use auto or float32")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {device.type}: not supported (choose cpu or cuda)")
     return device
 
 

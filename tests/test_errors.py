@@ -143,3 +143,13 @@ def test_cli_errors_are_one_line(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
+
+
+def test_device_cuda_without_a_gpu_is_refused_in_one_line(tiny_gguf):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible here"):
+        Stage(open_model(tiny_gguf), range(1), device="cuda")
+    with pytest.raises(ValueError, match="--device tpu: not supported"):
+        Stage(open_model(tiny_gguf), range(1), device="tpu")
