@@ -36,17 +36,18 @@ class ExpertClient:
 
 @ray.remote
 class ExpertActor:
-    def __init__(self, model_path: str, layers: tuple[int, int], experts: tuple[int, int], dtype: str, threads: int,
-                 max_model_len: int | None):
+    def __init__(self, args, layers: tuple[int, int], experts: tuple[int, int]):
+        """args: the pipeline's resolved EngineArgs."""
         self.init_error = None
         try:
-            self._load(open_model(model_path, max_model_len), layers, experts, dtype, threads)
+            self._load(args, layers, experts)
         except RaymoeError as e:      # reported by ping(), as a clean one-line error
             self.init_error = e
 
-    def _load(self, model, layers, experts, dtype, threads):
-        torch.set_num_threads(threads)
-        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), dtype)
+    def _load(self, args, layers, experts):
+        torch.set_num_threads(args.threads)
+        model = open_model(args.model, args.max_model_len)
+        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype)
         spec = model.arch.moe_spec(model.config)
         self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
 
@@ -65,20 +66,20 @@ class StageActor:
     """Loads in load() rather than in the constructor, so that load_progress() (its own concurrency group)
     can answer while the weights are read."""
 
-    def __init__(self, model_path: str, layers: tuple[int, int], dtype: str, threads: int, max_model_len: int | None,
-                 expert_actors=None):
-        self.args = (model_path, layers, dtype, threads, max_model_len, expert_actors)
+    def __init__(self, args, layers: tuple[int, int], expert_actors=None):
+        """args: the pipeline's resolved EngineArgs."""
+        self.args, self.layers, self.expert_actors = args, range(*layers), expert_actors
         self.stage = self.group = None
         self.loaded = (0, 0)
 
     def load(self) -> int:
-        model_path, layers, dtype, threads, max_model_len, expert_actors = self.args
-        torch.set_num_threads(threads)
-        model = open_model(model_path, max_model_len)
-        total = stage_need(model, range(*layers), dtype).weight_bytes
+        args = self.args
+        torch.set_num_threads(args.threads)
+        model = open_model(args.model, args.max_model_len)
+        total = stage_need(model, self.layers, args.dtype).weight_bytes
         self.loaded = (0, total)
-        remote = ExpertClient(expert_actors) if expert_actors else None
-        self.stage = Stage(model, range(*layers), dtype, remote_experts=remote,
+        remote = ExpertClient(self.expert_actors) if self.expert_actors else None
+        self.stage = Stage(model, self.layers, args.dtype, remote_experts=remote,
                            progress=lambda done: setattr(self, "loaded", (done, total)))
         self.hidden_size = model.config.hidden
         return os.getpid()

@@ -33,7 +33,6 @@ log = logging.getLogger("raymoe.coordinator")
 MAX_RESTARTS = 5
 OOM_ERROR = ("a stage ran out of memory while running this request; lower --max-running or --max-model-len "
              "(or give the stages more memory)")
-STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before check_health() fails
 
 
 class QueueFullError(RaymoeError):
@@ -54,11 +53,12 @@ def out_of_memory(e: ray.exceptions.RayError) -> bool:
 
 @ray.remote
 class Coordinator:
-    def __init__(self, spec: PipelineSpec, n_groups: int = 4, max_batch_tokens: int = 512,
-                 prefill_chunk: int = 256, max_running: int = 64, fault_injection: dict | None = None,
-                 max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT):
-        model = open_model(spec.model_path, spec.max_model_len)
-        self.core = EngineCore(model.config, model.tokenizer, n_groups, max_batch_tokens, prefill_chunk, max_running)
+    def __init__(self, spec: PipelineSpec):
+        """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory)."""
+        args = spec.args
+        model = open_model(args.model, args.max_model_len)
+        self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
+                               args.prefill_chunk, args.max_running)
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
@@ -69,15 +69,15 @@ class Coordinator:
         self.text_sent: dict[int, int] = {}             # seq_id -> characters of its text streamed so far
         self.finished: list[dict] = []
         self.finished_event = asyncio.Event()
-        self.fault = dict(fault_injection or {})
+        self.fault = dict(args.fault_injection or {})
         self.steps = self.restarts = 0
         self.stats = {"first_token_s": deque(maxlen=100_000), "started": {}}
-        self.max_queued = max_queued                    # None: unbounded
+        self.max_queued = args.max_queued               # None: unbounded
         self.uncollected: set[int] = set()              # results only streamed, never kept for wait_finished
         self.streaming: set[int] = set()                # sequences with a stream() reader
         self.loop_task = None
         self.error: str | None = None
-        self.stall_timeout = stall_timeout
+        self.stall_timeout = args.stall_timeout
         self.progress_at = time.monotonic()             # when the last step completed (or work arrived)
         self.current: tuple[int, list | None] | None = None   # (group, plan) the loop is handling
 

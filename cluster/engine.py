@@ -1,23 +1,24 @@
 """The engine API that the batch job and the Serve app use: start a pipeline on Ray, submit
 requests, stream their tokens, cancel them.
 
-    engine = ClusterEngine("tiny-qwen35moe", pp=2)
+    engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2))
     seq_id = await engine.submit_async("r1", {"prompt": "Hello", "max_tokens": 8})
     async for update in engine.stream(seq_id): ...
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 
 import ray
 
 from stages.errors import RaymoeError
-from stages.engine import split_layers
-from stages.loader import DEFAULT_MAX_MODEL_LEN, open_model, resolve_model_path
+from stages.loader import open_model
 from stages.memory import fit_running, stage_need
 
-from .coordinator import STALL_TIMEOUT, Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
+from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
+from .engine_args import EngineArgs
 from .pipeline import PipelineSpec
 
 
@@ -54,14 +55,15 @@ DEFAULT_MAX_RUNNING = 64
 OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations and logits, not weights
 
 
-def plan_memory(files, spec: PipelineSpec, max_running: int | None) -> int:
+def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
-    bundles' `memory` and returns how many sequences may run (see stages/memory.py)."""
-    needs = [stage_need(files, r, spec.dtype) for r in split_layers(spec.n_layers, spec.pp, spec.split)]
+    bundles' `memory` and, in spec.args.max_running, how many sequences may run (see stages/memory.py)."""
+    needs = [stage_need(files, r, spec.args.dtype) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
-    running = fit_running(needs, nodes or [0], max_running or DEFAULT_MAX_RUNNING, explicit=max_running is not None)
+    wanted = spec.args.max_running
+    running = fit_running(needs, nodes or [0], wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
     spec.stage_memory = [need.total(running) for need in needs]
-    return running
+    spec.args = dataclasses.replace(spec.args, max_running=running)
 
 
 def show_loading(ref, spec: PipelineSpec):
@@ -71,7 +73,7 @@ def show_loading(ref, spec: PipelineSpec):
 
     from tqdm import tqdm
 
-    ranges = split_layers(spec.n_layers, spec.pp, spec.split)
+    ranges = spec.ranges()
     bars = [tqdm(total=0, unit="B", unit_scale=True, file=sys.stderr, disable=None, leave=False,
                  desc=f"stage {i} (layers {r.start}-{r.stop - 1})") for i, r in enumerate(ranges)]
     try:
@@ -89,12 +91,6 @@ def show_loading(ref, spec: PipelineSpec):
     return ref
 
 
-def default_threads() -> int:
-    """Torch threads per actor. Results depend (in the last bits) on the thread count, so the
-    default does not depend on --pp or --ep: every pipeline degree then gives identical outputs."""
-    return max(1, (os.cpu_count() or 1) // 4)
-
-
 def unwrap(error: Exception) -> Exception:
     """The user-facing error inside a Ray task error, if there is one."""
     cause = getattr(error, "cause", None)
@@ -104,37 +100,15 @@ def unwrap(error: Exception) -> Exception:
 
 
 class ClusterEngine:
-    def __init__(self, model: str, pp: int = 1, ep: int = 0, dtype: str = "auto",
-                 transport: str = "object_store", threads: int | None = None, split: list[int] | None = None,
-                 microbatches: int | None = 4, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int | None = None, device: str = "cpu", fault_injection: dict | None = None,
-                 max_queued: int | None = None, stall_timeout: float = STALL_TIMEOUT,
-                 max_model_len: int | None = DEFAULT_MAX_MODEL_LEN, placement: str = "pack"):
-        """max_running None: as many as memory allows, at most DEFAULT_MAX_RUNNING. max_model_len None:
-        the model's whole context."""
-        if device != "cpu":
-            raise RaymoeError("--device cuda needs CUDA stages, which this build does not have yet; use --device cpu")
-        microbatches = microbatches or pp        # None: one micro-batch group per stage
-        if microbatches < pp:
-            raise RaymoeError(f"--microbatches {microbatches} must be >= --pp {pp} to keep every stage busy")
-        path = os.path.abspath(resolve_model_path(model))
-        files = open_model(path, max_model_len)    # config and tokenizer only: fail fast on a bad model
-        self.tokenizer, self.config = files.tokenizer, files.config
-        slots = pp * (1 + ep)
-        spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
-                            ep=ep, dtype=dtype, transport=transport, placement=placement, split=split,
-                            threads=threads or default_threads(), max_model_len=max_model_len,
-                            name=f"raymoe-{uuid.uuid4().hex[:8]}")
-        try:
-            spec.validate()
-        except ValueError as e:
-            raise RaymoeError(str(e)) from None
-        connect_ray(slots)
-        max_running = plan_memory(files, spec, max_running)
-        self.pp = pp
-        self.coordinator = Coordinator.options(num_cpus=0).remote(
-            spec, microbatches, max_batch_tokens, prefill_chunk, max_running, fault_injection, max_queued=max_queued,
-            stall_timeout=stall_timeout)
+    def __init__(self, args: EngineArgs):
+        args = args.resolved()
+        files = open_model(args.model, args.max_model_len)    # config and tokenizer only: fail fast on a bad model
+        args.validate(files.n_layers, files.config.n_expert)
+        self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
+        spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=f"raymoe-{uuid.uuid4().hex[:8]}")
+        connect_ray(args.pp * (1 + args.ep))
+        plan_memory(files, spec)
+        self.coordinator = Coordinator.options(num_cpus=0).remote(spec)
         self._call(show_loading(self.coordinator.start.remote(), spec))
 
     def _call(self, ref, timeout=None):

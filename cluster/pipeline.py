@@ -10,15 +10,19 @@ Transports (outputs never depend on the choice):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kernels.native import blas_has_own_threads
+from kernels.threads import process_env
 from stages.engine import split_layers
 
 from .actors import ExpertActor, StageActor
+
+if TYPE_CHECKING:
+    from .engine_args import EngineArgs
 
 TRANSPORTS = ("object_store", "gloo")
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
@@ -27,88 +31,70 @@ PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
 @dataclass
 class PipelineSpec:
-    model_path: str
+    """One pipeline: its settings (EngineArgs.resolved()) and what the model and the memory plan add."""
+    args: EngineArgs
     n_layers: int
     n_experts: int
-    pp: int = 1
-    ep: int = 0                      # expert actors per stage (0: experts in the stage)
-    dtype: str = "auto"
-    transport: str = "object_store"
-    placement: str = "pack"          # a key of PLACEMENTS
-    threads: int = 1                 # torch threads per actor
-    split: list[int] | None = None   # layers per stage; even split when None
-    use_gpu: bool = False
-    max_model_len: int | None = None
     name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
     stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
 
-    def validate(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r} (choose from {', '.join(TRANSPORTS)})")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"unknown placement {self.placement!r} (choose from {', '.join(PLACEMENTS)})")
-        if self.ep < 0 or (self.ep and self.n_experts % self.ep):
-            raise ValueError(f"--ep {self.ep} must divide the model's {self.n_experts} experts")
-        split_layers(self.n_layers, self.pp, self.split)
+    def ranges(self) -> list[range]:
+        """Each stage's layers."""
+        return split_layers(self.n_layers, self.args.pp, self.args.split)
 
 
 class Pipeline:
     def __init__(self, spec: PipelineSpec):
-        spec.validate()
+        args = self.args = spec.args      # validated by the caller (ClusterEngine, deploy.perplexity)
         self.spec = spec
-        self.ranges = split_layers(spec.n_layers, spec.pp, spec.split)
-        resource = {"GPU": 1} if spec.use_gpu else {"CPU": 1}
-        memory = spec.stage_memory or [0] * spec.pp
+        self.ranges = spec.ranges()
+        resource = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}
+        memory = spec.stage_memory or [0] * args.pp
         # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
-        bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (spec.pp * spec.ep)
-        self.pg = placement_group(bundles, strategy=PLACEMENTS[spec.placement])
+        bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (args.pp * args.ep)
+        self.pg = placement_group(bundles, strategy=PLACEMENTS[args.placement])
         ray.get(self.pg.ready(), timeout=120)
-        self.stages: list = [None] * spec.pp
-        self.experts: list[list] = [[] for _ in range(spec.pp)]
+        self.stages: list = [None] * args.pp
+        self.experts: list[list] = [[] for _ in range(args.pp)]
         self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
-        for i in range(spec.pp):
+        for i in range(args.pp):
             self._start_stage(i, spec.name and f"{spec.name}-stage{i}")
         self._connect()
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
-        env = {"OPENBLAS_NUM_THREADS": str(self.spec.threads)}
-        if self.spec.dtype != "int8" and blas_has_own_threads():
-            # only an environment variable set before the process loads torch can say so
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env = process_env(self.args.threads, self.args.dtype)
         opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
-        if self.spec.use_gpu:
+        if self.args.device == "cuda":
             opts["num_gpus"] = 1
         else:
             opts["num_cpus"] = 1
         return opts
 
     def _start_stage(self, i: int, name: str | None = None):
-        s, r = self.spec, self.ranges[i]
+        a, r = self.args, self.ranges[i]
         layers = (r.start, r.stop)
         experts = []
-        if s.ep:
-            per = s.n_experts // s.ep
-            experts = [ExpertActor.options(**self._options(s.pp + i * s.ep + j)).remote(
-                s.model_path, layers, (j * per, (j + 1) * per), s.dtype, s.threads, s.max_model_len)
-                for j in range(s.ep)]
+        if a.ep:
+            per = self.spec.n_experts // a.ep
+            experts = [ExpertActor.options(**self._options(a.pp + i * a.ep + j)).remote(
+                a, layers, (j * per, (j + 1) * per)) for j in range(a.ep)]
         self.experts[i] = experts
         options = {**self._options(i), **({"name": name} if name else {})}
-        self.stages[i] = StageActor.options(**options).remote(s.model_path, layers, s.dtype, s.threads,
-                                                             s.max_model_len, experts or None)
+        self.stages[i] = StageActor.options(**options).remote(a, layers, experts or None)
         self.loading[i] = self.stages[i].load.remote()
 
     def _connect(self):
         """Wait for every actor to load; join the process group for the gloo transport."""
         ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
         self.loading.clear()
-        if self.spec.transport == "gloo":
+        if self.args.transport == "gloo":
             address = ray.get(self.stages[0].rendezvous_address.remote())
             ray.get([a.join_group.remote(address, rank, len(self.stages)) for rank, a in enumerate(self.stages)])
 
     def submit(self, batch) -> list:
         """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
-        if self.spec.transport == "gloo":
+        if self.args.transport == "gloo":
             return [a.forward_p2p.remote(batch) for a in self.stages]
         refs, ref = [], None
         for a in self.stages:
@@ -123,7 +109,7 @@ class Pipeline:
     def restart(self):
         """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
         every stage's caches; the caller recomputes the sequences in flight."""
-        if self.spec.transport == "gloo":     # survivors may be blocked in recv: replace them all
+        if self.args.transport == "gloo":     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:
             dead = [i for i, a in enumerate(self.stages) if not self._alive([a] + self.experts[i])]

@@ -335,11 +335,11 @@ def bench_real_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None
 
 def bench_real_pp2(path: str, n_decode: int) -> dict:
     """Two stage actors on this node, each holding half the layers (one thread each)."""
-    from cluster.engine import ClusterEngine, connect_ray
+    from cluster.engine import ClusterEngine, EngineArgs, connect_ray
 
     connect_ray(4)
     start = time.perf_counter()
-    engine = ClusterEngine(path, pp=2, threads=1, microbatches=2, max_running=4)
+    engine = ClusterEngine(EngineArgs(path, pp=2, threads=1, microbatches=2, max_running=4))
     load = time.perf_counter() - start
     try:
         def run(n_seqs, n):
@@ -427,7 +427,7 @@ def read_bandwidth_gb_s() -> float:
 
 def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
     """Aggregate decode throughput of PP=1/2/4 with 16 concurrent sequences, and stage memory."""
-    from cluster.engine import ClusterEngine
+    from cluster.engine import ClusterEngine, EngineArgs
 
     n_seqs, n_tokens = 16, (8 if quick else 32)
     requests = [(i, {"prompt_token_ids": random_ids(16, i), "max_tokens": n_tokens, "temperature": 0})
@@ -435,7 +435,7 @@ def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
     tok_s, rss = {}, {}
     print(f"\n== pipeline: {n_seqs} sequences x {n_tokens} tokens, 1 torch thread per stage actor")
     for pp in (1, 2, 4):
-        engine = ClusterEngine(path, pp=pp, threads=1)
+        engine = ClusterEngine(EngineArgs(path, pp=pp, threads=1))
         try:
             for batch in (requests[:pp], requests):            # warm-up, then the measured run
                 start = time.perf_counter()
@@ -460,7 +460,7 @@ def bench_coordinator(quick: bool) -> dict:
     """The coordinator's CPU time per step with 64 running sequences on a 248k-token vocabulary (the tiny
     qwen35moe shape, vocabulary padded to Qwen3.5's): what it costs to own the sequences while the last
     stage samples. Greedy and sampled (temperature 1, top-p 0.9)."""
-    from cluster.engine import ClusterEngine
+    from cluster.engine import ClusterEngine, EngineArgs
     from deploy.make_tiny import qwen35moe_config, qwen35moe_tensors
 
     path = build_model("qwen35moe-248k", "qwen35moe", qwen35moe_config, qwen35moe_tensors,
@@ -468,7 +468,7 @@ def bench_coordinator(quick: bool) -> dict:
     n_seqs, n_tokens = 64, (8 if quick else 32)
     print(f"\n== coordinator: {n_seqs} sequences x {n_tokens} tokens, vocabulary 248320, PP=1, 4 micro-batch groups")
     out = {}
-    engine = ClusterEngine(path, pp=1, threads=1, max_running=n_seqs, max_model_len=512)
+    engine = ClusterEngine(EngineArgs(path, pp=1, threads=1, max_running=n_seqs, max_model_len=512))
     try:
         for name, sampling in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 1.0, "top_p": 0.9})):
             requests = [(i, {"prompt_token_ids": random_ids(8, i), "max_tokens": n_tokens, "ignore_eos": True,

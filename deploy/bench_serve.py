@@ -97,12 +97,13 @@ def free_port() -> int:
 
 
 def main(argv=None) -> int:
+    from cluster.engine_args import add_engine_flags
+    from deploy.serve import ServeArgs
+
     p = argparse.ArgumentParser(prog="python -m deploy.bench_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batch groups of the local server (>= --pp; default: the server's, --pp)")
+    add_engine_flags(p, ["pp", "microbatches"], ServeArgs)      # of the local server
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16, help="requests per level at least")
@@ -121,9 +122,7 @@ def main(argv=None) -> int:
         connect_ray(args.pp)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app_builder({"model": args.model, "pp": args.pp, "microbatches": args.microbatches,
-                               "max_queued": None}), name="raymoe-bench",
-                  route_prefix="/")
+        serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None)), name="raymoe-bench", route_prefix="/")
         url, started = f"http://127.0.0.1:{port}", True
     else:
         import urllib.request

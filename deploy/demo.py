@@ -26,12 +26,12 @@ class Collected:
 def run_batch(model: str, pp: int, path: str, defaults) -> tuple[list[dict], float]:
     from tqdm import tqdm
 
-    from cluster.engine import ClusterEngine
+    from cluster.engine import ClusterEngine, EngineArgs
     from deploy.generate import StreamingJob
     from deploy.results_file import LineReader, read_lines
 
     lines = read_lines(path)
-    engine = ClusterEngine(model, pp=pp)
+    engine = ClusterEngine(EngineArgs(model, pp=pp))
     try:
         collected = Collected()
         reader = LineReader(lines, 64)

@@ -17,15 +17,15 @@ import sys
 import threading
 import time
 
+from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
 from stages.errors import RaymoeError, RequestError
-from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.sampling import SamplingParams
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss")
+    add_engine_flags(p, ["model"])
     p.add_argument("--input", required=True,
                    help="requests: a JSONL file; through Ray Data also a .parquet file, a folder of either, or a URI")
     p.add_argument("--output", required=True,
@@ -44,23 +44,8 @@ def parse_args(argv=None):
                    help="keep the output's results and generate only the ids it lacks (a JSONL file output)")
     p.add_argument("--replicas", type=int, default=1,
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
-    p.add_argument("--placement", default="pack", choices=["pack", "spread"],
-                   help="a pipeline's stages on as few nodes as possible, or on different nodes")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
-    p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"],
-                   help="how activations move between stages")
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 3,5 (default: even)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4, the same for every --pp)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
-                   help="auto: weights compute in their file's format, quantised ones with 8-bit activations (as "
-                        "llama.cpp); float32: exact; int8: every weight matrix requantised to int8 rows")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="context bound: sizes each sequence's cache (default %(default)s, or the model's if shorter)")
-    p.add_argument("--max-running", type=int, default=None,
-                   help="sequences holding caches at once (default: as many as memory allows, at most 64)")
+    add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
+                         "max_model_len", "max_running"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -121,15 +106,6 @@ def main(argv=None) -> int:
             signal.signal(s, handler)
 
 
-def parse_split(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise RaymoeError(f"--split must be comma-separated layer counts, got {text!r}") from None
-
-
 def run(args) -> int:
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
@@ -139,19 +115,17 @@ def run(args) -> int:
         raise RaymoeError(f"bad sampling flag: {e}") from None
     if args.window < 1 or args.replicas < 1:
         raise RaymoeError("--window and --replicas must be at least 1")
-    engine_options = dict(model=args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
-                          threads=args.threads, split=parse_split(args.split), microbatches=args.microbatches,
-                          device=args.device, max_model_len=args.max_model_len, max_running=args.max_running,
-                          placement=args.placement)
+    engine_args = EngineArgs.from_flags(args)
+    engine_args.validate()
     if args.replicas == 1 and args.input_format != "parquet" and local_jsonl(args.input) and local_jsonl(args.output):
-        return run_local(args, engine_options, defaults)
+        return run_local(args, engine_args, defaults)
     from deploy import generate_data
     _Signals.deferred = False      # Ray Data blocks inside its own iterator: a signal interrupts it there
-    return generate_data.run(args, engine_options, defaults, check_signals=_check_signals,
+    return generate_data.run(args, engine_args, defaults, check_signals=_check_signals,
                              after_ray_init=_handle_signals)
 
 
-def run_local(args, engine_options: dict, defaults: dict) -> int:
+def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     from tqdm import tqdm
 
     from cluster.engine import ClusterEngine
@@ -159,7 +133,7 @@ def run_local(args, engine_options: dict, defaults: dict) -> int:
     lines = read_lines(args.input)
     writer = ResultWriter(args.output, args.resume)
     try:
-        engine = ClusterEngine(**engine_options)
+        engine = ClusterEngine(engine_args)
         _handle_signals()       # ray.init replaced the SIGTERM handler
         try:
             try:

@@ -29,7 +29,7 @@ RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "finish_reason",
                  "completion_tokens", "logprobs", "prompt_logprobs", "error")
 
 
-def run(args, engine_options: dict, defaults: dict, check_signals, after_ray_init) -> int:
+def run(args, engine_args, defaults: dict, check_signals, after_ray_init) -> int:
     from cluster.engine import connect_ray  # here, not above: see Replica
     from stages.loader import open_model, resolve_model_path
 
@@ -60,7 +60,7 @@ def run(args, engine_options: dict, defaults: dict, check_signals, after_ray_ini
         ds = ds.repartition(target_num_rows_per_block=args.window)
         ds = ds.map_batches(Replica, batch_size=args.window, batch_format="pyarrow", num_cpus=0,
                             compute=ray.data.ActorPoolStrategy(size=args.replicas),
-                            fn_constructor_kwargs=dict(engine_options=engine_options, defaults=defaults,
+                            fn_constructor_kwargs=dict(engine_args=engine_args, defaults=defaults,
                                                        done=writer.done if writer else set()))
         start = time.perf_counter()
         if writer is not None:
@@ -144,11 +144,11 @@ def rows_to_lines(table):
 class Replica:
     """One pipeline (its own coordinator and stage actors) generating the batches Ray Data hands it."""
 
-    def __init__(self, engine_options: dict, defaults: dict, done: set[str]):
+    def __init__(self, engine_args, defaults: dict, done: set[str]):
         # imported here: Ray Data's read and map workers load this module, and need no torch
         from cluster.engine import ClusterEngine
 
-        self.engine = ClusterEngine(**engine_options)
+        self.engine = ClusterEngine(engine_args)
         self.defaults, self.done = defaults, done
 
     def __call__(self, table):

@@ -27,6 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from cluster.engine_args import EngineArgs, add_engine_flags
 from stages.batch import StepBatch
 from stages.errors import RaymoeError
 from stages.loader import MODES
@@ -34,16 +35,14 @@ from stages.loader import MODES
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.perplexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss")
+    add_engine_flags(p, ["model"])
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (the context each chunk is scored in)")
     p.add_argument("--modes", default="auto", help=f"comma-separated --dtype modes to measure ({', '.join(MODES)})")
     p.add_argument("--reference-mode", default=None,
                    help="a mode to compare every mode with (KL divergence, top-1 agreement, delta perplexity); "
                         "float32 is the exact one")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4)")
+    add_engine_flags(p, ["pp", "transport", "threads"])
     p.add_argument("--batch", type=int, default=512,
                    help="tokens per forward step: a longer chunk runs as several steps. The approximate modes' "
                         "numbers depend on it (auto computes expert groups of <= 16 rows with 8-bit activations)")
@@ -147,18 +146,16 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
     has work) and hand each step's logits to on_logits(logits, piece), in order."""
     import ray
 
-    from cluster.engine import default_threads, plan_memory
+    from cluster.engine import plan_memory
     from cluster.pipeline import Pipeline, PipelineSpec
 
-    spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=args.pp,
-                        dtype=mode, transport=args.transport, threads=args.threads or default_threads(),
-                        max_model_len=args.ctx)
-    try:
-        spec.validate()
-    except ValueError as e:
-        raise RaymoeError(str(e)) from None
     window = 2 * args.pp
-    plan_memory(files, spec, min(window, n_chunks))       # a step's chunk, and the chunks of those in flight
+    # caches for a step's chunk and the chunks of those in flight, each of one chunk's length
+    engine_args = EngineArgs.from_flags(args, model=path, dtype=mode, max_model_len=args.ctx,
+                                        max_running=min(window, n_chunks)).resolved()
+    engine_args.validate(files.n_layers, files.config.n_expert)
+    spec = PipelineSpec(engine_args, files.n_layers, files.config.n_expert)
+    plan_memory(files, spec)
     bar.set_description(f"{mode}: loading")
     pipeline = call(lambda: Pipeline(spec))
     bar.set_description(mode)

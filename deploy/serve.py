@@ -18,6 +18,7 @@ sequence at once; when more than `max_queued` sequences wait for a cache slot, n
 """
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -31,15 +32,16 @@ from time import perf_counter
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, field_validator
+import pydantic
+from pydantic import field_validator
 from ray import serve
 
+from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.grpc_service import RaymoeServicer
 from deploy.metrics import ServerMetrics
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, TokenText, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, request_error, sse)
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
-from stages.loader import DEFAULT_MAX_MODEL_LEN
 from stages.errors import RaymoeError, RequestError
 
 log = logging.getLogger("raymoe.serve")
@@ -49,35 +51,20 @@ MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
 MAX_MESSAGES = 1024
 
 
-class ServeArgs(BaseModel):
+@pydantic.dataclasses.dataclass(config=pydantic.ConfigDict(extra="forbid"))     # a misspelt arg fails
+class ServeArgs(EngineArgs):
     """Arguments of the application (`serve run deploy.serve:app_builder key=value ...`, or `args:` in a
-    Serve config). The pipeline ones are ClusterEngine's."""
+    Serve config): the engine's (cluster.engine_args.EngineArgs), with the server's defaults, and the server's."""
     model: str = "tiny-qwen35moe"
-    served_model_name: str | None = None      # the name clients send as "model" (default: model)
-    pp: int = 1
-    ep: int = 0
-    dtype: str = "auto"
-    device: str = "cpu"
-    transport: str = "object_store"
-    threads: int | None = None
-    split: list[int] | None = None
     microbatches: int | None = None          # None: --pp (one group per stage)
-    max_batch_tokens: int = 512
-    prefill_chunk: int = 256
-    max_running: int | None = None            # sequences holding caches at once (None: as many as fit, <= 64)
-    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache
     max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
+    served_model_name: str | None = None      # the name clients send as "model" (default: model)
     host: str = "127.0.0.1"                   # where gRPC listens (HTTP: Serve's http_options.host)
     grpc_port: int = 0                        # 0: no gRPC
     api_key: str | None = None                # required from clients when set (default: RAYMOE_API_KEY)
     max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
     max_json_depth: int = MAX_JSON_DEPTH
     max_messages: int = MAX_MESSAGES          # messages per chat request
-
-    @field_validator("max_queued")
-    @classmethod
-    def _unbounded(cls, v):
-        return None if v is not None and v < 0 else v
 
     @field_validator("max_body_bytes", "max_json_depth", "max_messages")
     @classmethod
@@ -143,11 +130,7 @@ class Serving:
     def __init__(self, args: ServeArgs):
         from cluster.engine import ClusterEngine
         self.args = args
-        self.engine = ClusterEngine(args.model, pp=args.pp, ep=args.ep, dtype=args.dtype, transport=args.transport,
-                                    threads=args.threads, split=args.split, microbatches=args.microbatches,
-                                    max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-                                    max_running=args.max_running, device=args.device, max_queued=args.max_queued,
-                                    max_model_len=args.max_model_len)
+        self.engine = ClusterEngine(args.engine_args())
         self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
         self.model_name = args.name
         self.context_length, self.vocab = self.config.context_length, self.config.vocab
@@ -435,32 +418,18 @@ def app_builder(args: ServeArgs):
     if isinstance(args, dict):
         args = ServeArgs(**args)
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
-        args = args.model_copy(update={"api_key": os.environ["RAYMOE_API_KEY"]})
-    return RaymoeServer.bind(args.model_dump())
+        args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
+    return RaymoeServer.bind(dataclasses.asdict(args))
 
 
 # ---- python -m deploy.serve -------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deploy.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe")
+    add_engine_flags(p, ["model"])
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
-    p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
-                   help="as for deploy.generate: auto computes in the file's format, float32 is exact")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batch groups (>= --pp; default --pp: the fewest, largest batches; deploy.generate's 4 "
-                        "gives its outputs, the same at every --pp)")
-    p.add_argument("--max-running", type=int, default=None,
-                   help="sequences holding caches at once (default: as many as memory allows, at most 64)")
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="context bound: sizes each sequence's cache (default %(default)s, or the model's if shorter)")
-    p.add_argument("--max-queued", type=int, default=256,
-                   help="sequences that may wait for a slot; beyond that requests get 503 (-1: unbounded)")
+    add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
+                         "max_model_len", "max_queued"], ServeArgs)
     p.add_argument("--host", default="127.0.0.1",
                    help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -493,18 +462,13 @@ class _Stop(BaseException):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    serve_args = ServeArgs(model=args.model, served_model_name=args.served_model_name, pp=args.pp, ep=args.ep,
-                           dtype=args.dtype, device=args.device, transport=args.transport, threads=args.threads,
-                           microbatches=args.microbatches, max_running=args.max_running,
-                           max_model_len=args.max_model_len,
-                           max_queued=args.max_queued, host=args.host, grpc_port=args.grpc_port,
-                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                           max_json_depth=args.max_json_depth, max_messages=args.max_messages)
+    serve_args = ServeArgs.from_flags(args)
     if not serve_args.api_key and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    try:                          # fail fast, before starting anything, on a bad model
+    try:                          # fail fast, before starting anything, on a bad setting or model
         from stages.loader import open_model
+        serve_args.validate()
         open_model(args.model)
     except RaymoeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,7 +10,6 @@ at ~50 GB/s against torch's ~18) and torch's OpenMP workers must sleep between o
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 
 import numpy as np
@@ -81,21 +80,3 @@ def _few_rows_f32(x: torch.Tensor, weights: torch.Tensor, groups, out: torch.Ten
     lib.raymoe_f32_grouped(x.data_ptr(), x.stride(0), weights.data_ptr(), 0 if single else n * k,
                            group_table(groups), len(groups), n, k, out.data_ptr(), out.stride(0))
     return True
-
-
-@contextlib.contextmanager
-def torch_threads_for(n_rows: int):
-    """Run a step of n_rows tokens with fewer torch threads where that is faster: when float32
-    products of a few rows go to OpenBLAS's own threads (no compiled library), torch's other ops
-    are too small to share out, so one torch thread keeps its workers from waking to compete with
-    OpenBLAS (measured: batch-1 decode ~5-12% faster). The choice depends only on the step, never
-    on timing, so outputs stay reproducible."""
-    threads = torch.get_num_threads()
-    if not blas_has_own_threads() or n_rows > GEMV_MAX_ROWS or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

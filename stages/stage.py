@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dense import torch_threads_for
 from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
+from kernels.threads import torch_threads_for
 
 from .batch import StepBatch, StepContext
 from .loader import MODES, ModelFiles

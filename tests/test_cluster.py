@@ -3,7 +3,7 @@ holds only its share of the weights; a stage killed mid-run is replaced without 
 import pytest
 import torch
 
-from cluster.engine import ClusterEngine
+from cluster.engine import ClusterEngine, EngineArgs
 from stages.loader import open_model
 from stages.stage import Stage
 
@@ -29,7 +29,7 @@ def requests(vocab: int) -> list:
 
 
 def run(model, **kwargs):
-    engine = ClusterEngine(model, prefill_chunk=CHUNK, max_batch_tokens=2 * CHUNK, **kwargs)
+    engine = ClusterEngine(EngineArgs(model, prefill_chunk=CHUNK, max_batch_tokens=2 * CHUNK, **kwargs))
     try:
         vocab = engine.config.vocab
         seq_ids = engine.submit_many(requests(vocab))
@@ -115,7 +115,7 @@ def test_coordinator_death_fails_with_a_clear_message():
     import ray
     from stages.errors import RaymoeError
 
-    engine = ClusterEngine("tiny-qwen35moe", pp=2)
+    engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2))
     try:
         engine.submit_many(requests(engine.config.vocab))
         ray.kill(engine.coordinator, no_restart=True)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.coordinator import Coordinator
+from cluster.engine_args import EngineArgs
 from cluster.pipeline import PipelineSpec
 from stages.errors import RaymoeError
 from stages.loader import open_model
@@ -44,8 +45,8 @@ def model():
 
 
 def coordinator(model, **pipeline):
-    coord = Coordinator.__ray_metadata__.modified_class(PipelineSpec(model.path, model.n_layers, model.config.n_expert),
-                                                        stall_timeout=0.5)
+    args = EngineArgs(model.path, stall_timeout=0.5, max_running=64).resolved()
+    coord = Coordinator.__ray_metadata__.modified_class(PipelineSpec(args, model.n_layers, model.config.n_expert))
     coord.pipeline = LocalPipeline(model, **pipeline)
     return coord
 

@@ -7,7 +7,7 @@ wrong scale or row order moves logprobs by nats."""
 import pytest
 import torch
 
-from cluster.engine import ClusterEngine
+from cluster.engine import ClusterEngine, EngineArgs
 from deploy.make_tiny import make_tiny
 from hf_models import run_one
 from kernels.int8 import Int8Weight
@@ -51,7 +51,7 @@ def test_approximate_pipeline_and_expert_actors_are_bit_identical(tmp_path, mode
             for i, p in enumerate(prompts)]
 
     def run(**kwargs):
-        engine = ClusterEngine(path, dtype=mode, **kwargs)
+        engine = ClusterEngine(EngineArgs(path, dtype=mode, **kwargs))
         try:
             ids = engine.submit_many(reqs)
             results = {}

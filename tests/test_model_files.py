@@ -133,9 +133,10 @@ def test_split_files_open_from_their_first_part(f32_file, tmp_path):
 def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
     """A cluster with 64 MiB of memory: one line naming the need, what Ray has, and what to change,
     before any weight is read."""
-    code = ("import ray, sys; from cluster.engine import ClusterEngine; from stages.errors import RaymoeError\n"
+    code = ("import ray, sys; from cluster.engine import ClusterEngine, EngineArgs\n"
+            "from stages.errors import RaymoeError\n"
             "ray.init(address='local', num_cpus=2, _memory=64 << 20, include_dashboard=False, logging_level='ERROR')\n"
-            "try:\n    ClusterEngine(sys.argv[1], pp=2)\nexcept RaymoeError as e:\n    print(e)\n")
+            "try:\n    ClusterEngine(EngineArgs(sys.argv[1], pp=2))\nexcept RaymoeError as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code, f32_file], cwd=ROOT, capture_output=True, text=True, timeout=120)
     line = proc.stdout.strip()
     assert line.startswith("the model does not fit: its 2 stage(s) need"), proc.stdout + proc.stderr

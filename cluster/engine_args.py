@@ -1,0 +1,141 @@
+"""Every engine setting, under one name each: built from the command line (`add_engine_flags`,
+`EngineArgs.from_flags`), from a Serve config (deploy.serve.ServeArgs extends it) or in Python, checked
+by `validate()` and passed whole to ClusterEngine, the coordinator and the pipeline.
+
+    engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2))
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from kernels.threads import default_threads
+from stages.engine import split_layers
+from stages.errors import RaymoeError
+from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, resolve_model_path
+
+from .pipeline import PLACEMENTS, TRANSPORTS
+
+DEVICES = ("cpu", "cuda")
+STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before the health check fails
+
+
+@dataclass
+class EngineArgs:
+    model: str                               # a .gguf file, an HF model directory, or an embedded model's name
+    pp: int = 1                              # pipeline stages, one actor each
+    ep: int = 0                              # expert actors per stage (0: experts run in the stage)
+    dtype: str = "auto"                      # a key of stages.loader.MODES
+    device: str = "cpu"
+    transport: str = "object_store"          # one of cluster.pipeline.TRANSPORTS
+    placement: str = "pack"                  # a key of cluster.pipeline.PLACEMENTS
+    threads: int | None = None               # torch threads per actor (None: kernels.threads.default_threads)
+    split: list[int] | None = None           # layers per stage (None: even)
+    microbatches: int | None = 4             # micro-batch groups (None: pp); 4 gives the same outputs at every pp
+    max_batch_tokens: int = 512              # tokens per micro-batch
+    prefill_chunk: int = 256                 # a long prompt's tokens per step
+    max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
+    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
+    max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
+    stall_timeout: float = STALL_TIMEOUT
+    fault_injection: dict | None = None      # test hook: see Coordinator._maybe_inject_fault
+
+    def __post_init__(self):
+        if self.max_queued is not None and self.max_queued < 0:
+            self.max_queued = None
+
+    @classmethod
+    def from_flags(cls, parsed: argparse.Namespace, **overrides):
+        """The settings a parser with add_engine_flags (and any of its own that share a field's name) read;
+        fields it lacks keep their defaults."""
+        names = [f.name for f in dataclasses.fields(cls) if hasattr(parsed, f.name)]
+        return cls(**{**{name: getattr(parsed, name) for name in names}, **overrides})
+
+    def engine_args(self) -> EngineArgs:
+        """Only the engine's fields (of a subclass such as ServeArgs)."""
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineArgs)})
+
+    def validate(self, n_layers: int | None = None, n_experts: int | None = None):
+        """Raise RaymoeError, one line naming the flag, for a bad value; with the model's layer and expert
+        counts, also for a --pp, --split or --ep the model cannot take."""
+        def fail(name: str, what: str):
+            raise RaymoeError(f"--{name.replace('_', '-')} {what}")
+
+        for name, choices in (("dtype", MODES), ("device", DEVICES), ("transport", TRANSPORTS),
+                              ("placement", PLACEMENTS)):
+            if getattr(self, name) not in choices:
+                fail(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.device != "cpu":
+            fail("device", "cuda needs CUDA stages, which this build does not have yet; use --device cpu")
+        for name, low, none_ok in (("pp", 1, False), ("ep", 0, False), ("threads", 1, True),
+                                   ("max_batch_tokens", 1, False), ("prefill_chunk", 1, False),
+                                   ("max_running", 1, True), ("max_model_len", 1, True), ("max_queued", 0, True)):
+            value = getattr(self, name)
+            if not ((none_ok and value is None) or (type(value) is int and value >= low)):
+                fail(name, f"must be an integer of at least {low}, got {value!r}")
+        if self.microbatches is not None and not (type(self.microbatches) is int and self.microbatches >= self.pp):
+            fail("microbatches", f"{self.microbatches!r} must be >= --pp {self.pp} to keep every stage busy")
+        if self.split is not None and not (isinstance(self.split, list) and len(self.split) == self.pp
+                                           and all(type(n) is int and n >= 1 for n in self.split)):
+            fail("split", f"{self.split!r} must give --pp {self.pp} layer counts of at least 1")
+        if not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
+            fail("stall_timeout", f"must be positive, got {self.stall_timeout!r}")
+        if n_layers is not None:
+            try:
+                split_layers(n_layers, self.pp, self.split)
+            except ValueError as e:
+                fail("split" if self.split else "pp", f"does not fit the model: {e}")
+        if n_experts is not None and self.ep and n_experts % self.ep:
+            fail("ep", f"{self.ep} must divide the model's {n_experts} experts")
+
+    def resolved(self) -> EngineArgs:
+        """Validated, with what the defaults stand for filled in: the model's absolute path (for actors
+        anywhere), the thread count and the micro-batch groups."""
+        self.validate()
+        return dataclasses.replace(self.engine_args(), model=os.path.abspath(resolve_model_path(self.model)),
+                                   threads=self.threads or default_threads(), microbatches=self.microbatches or self.pp)
+
+
+def parse_split(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer counts, got {text!r}") from None
+
+
+# The command-line flags of the settings: every tool that takes one takes it under this name, with this default.
+FLAGS = {
+    "model": dict(required=True, help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss"),
+    "pp": dict(type=int, help="pipeline stages, one Ray actor each (at most the layer count)"),
+    "ep": dict(type=int, help="expert actors per stage (0: experts run in the stage)"),
+    "split": dict(type=parse_split, help="layers per stage, e.g. 3,5 (default: even)"),
+    "transport": dict(choices=TRANSPORTS, help="how activations move between stages"),
+    "placement": dict(choices=tuple(PLACEMENTS),
+                      help="a pipeline's stages on as few nodes as possible, or on different nodes"),
+    "microbatches": dict(type=int, help="micro-batch groups (>= --pp; none: --pp, the fewest, largest batches; 4, "
+                                        "deploy.generate's default, gives the same outputs at every --pp)"),
+    "threads": dict(type=int, help="torch threads per actor (default: cores / 4, the same for every --pp)"),
+    "dtype": dict(choices=tuple(MODES), help="auto: weights compute in their file's format, quantised ones with 8-bit "
+                                             "activations (as llama.cpp); float32: exact; int8: every weight matrix "
+                                             "requantised to int8 rows"),
+    "device": dict(choices=DEVICES),
+    "max_model_len": dict(type=int, help="context bound: sizes each sequence's cache (default %(default)s, or the "
+                                         "model's if shorter)"),
+    "max_running": dict(type=int, help="sequences holding caches at once (default: as many as memory allows, at "
+                                       "most 64)"),
+    "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
+                                      "(-1: unbounded)"),
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, names, args_class=EngineArgs):
+    """Add the flags of the settings `names` (keys of FLAGS), each defaulting to its field's default in
+    `args_class` (EngineArgs, or a subclass with defaults of its own)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args_class)}
+    for name in names:
+        options = dict(FLAGS[name])
+        if not options.get("required"):
+            options["default"] = defaults[name]
+        parser.add_argument("--" + name.replace("_", "-"), **options)

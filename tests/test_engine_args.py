@@ -1,0 +1,101 @@
+"""EngineArgs: one settings object from the command line, the Serve config and Python, checked in one
+place with one-line errors naming the flag. No Ray needed."""
+import os
+
+import pytest
+
+from cluster.engine_args import EngineArgs
+from cluster.pipeline import TRANSPORTS
+from deploy import generate, perplexity, serve
+from kernels.threads import default_threads
+from stages.errors import RaymoeError
+from stages.loader import resolve_model_path
+
+MODEL = "tiny-qwen35moe"
+JOB = ["--input", "in.jsonl", "--output", "out.jsonl"]
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"pp": 0}, "--pp"), ({"ep": -1}, "--ep"), ({"dtype": "fp8"}, "--dtype"), ({"device": "tpu"}, "--device"),
+    ({"device": "cuda"}, "--device"), ({"transport": "carrier-pigeon"}, "--transport"),
+    ({"placement": "scatter"}, "--placement"), ({"threads": 0}, "--threads"), ({"split": [3, 0]}, "--split"),
+    ({"pp": 2, "split": [8]}, "--split"), ({"pp": 2, "microbatches": 1}, "--microbatches"),
+    ({"max_batch_tokens": 0}, "--max-batch-tokens"), ({"prefill_chunk": 0}, "--prefill-chunk"),
+    ({"max_running": 0}, "--max-running"), ({"max_model_len": 0}, "--max-model-len"),
+    ({"stall_timeout": 0}, "--stall-timeout"), ({"pp": "2"}, "--pp"),
+])
+def test_a_bad_value_is_one_line_naming_its_flag(changes, flag):
+    with pytest.raises(RaymoeError) as e:
+        EngineArgs(**{"model": MODEL, **changes}).validate()
+    message = str(e.value)
+    assert message.startswith(flag + " ") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("changes, flag, count", [({"pp": 9}, "--pp", "8 layers"),
+                                                  ({"pp": 2, "split": [3, 4]}, "--split", "8 layers"),
+                                                  ({"ep": 3}, "--ep", "16 experts")])
+def test_what_the_model_cannot_take_names_its_flag(changes, flag, count):
+    args = EngineArgs(MODEL, microbatches=None, **changes)
+    args.validate()                                   # fine without the model's counts
+    with pytest.raises(RaymoeError) as e:
+        args.validate(n_layers=8, n_experts=16)
+    assert str(e.value).startswith(flag) and count in str(e.value), str(e.value)
+    EngineArgs(MODEL, pp=8, microbatches=None, ep=4).validate(n_layers=8, n_experts=16)
+
+
+def test_the_generate_command_line_gives_the_python_api_values():
+    argv = ["--model", MODEL, *JOB, "--pp", "2", "--ep", "2", "--transport", "gloo", "--placement", "spread",
+            "--split", "3,5", "--microbatches", "6", "--threads", "3", "--dtype", "int8", "--max-model-len", "512",
+            "--max-running", "7"]
+    assert EngineArgs.from_flags(generate.parse_args(argv)) == EngineArgs(
+        MODEL, pp=2, ep=2, transport="gloo", placement="spread", split=[3, 5], microbatches=6, threads=3,
+        dtype="int8", max_model_len=512, max_running=7)
+
+
+def test_defaults_are_the_same_from_every_front():
+    """Batch jobs keep 4 micro-batch groups; the server defaults to one per stage and a bounded queue,
+    from its command line and from a Serve config alike."""
+    assert EngineArgs.from_flags(generate.parse_args(["--model", MODEL, *JOB])) == EngineArgs(MODEL)
+    assert EngineArgs(MODEL).microbatches == 4 and EngineArgs(MODEL).max_queued is None
+    from_cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL, "--grpc-port", "0"]))
+    from_config = serve.ServeArgs(**{"model": MODEL})
+    assert from_cli == from_config
+    assert from_cli.engine_args() == EngineArgs(MODEL, microbatches=None, max_queued=256)
+    ppl = perplexity.parse_args(["--model", MODEL, "--text", "t.txt"])
+    assert EngineArgs.from_flags(ppl) == EngineArgs(MODEL)
+
+
+def test_the_serve_config_takes_the_same_values_as_the_command_line():
+    """Serve passes `key=value` arguments as text: they convert to the same settings."""
+    config = serve.ServeArgs(**{"model": MODEL, "pp": "2", "split": ["3", "5"], "transport": "gloo",
+                                "max_queued": "-1", "threads": "2"})
+    cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL, "--pp", "2", "--transport", "gloo",
+                                                       "--max-queued", "-1", "--threads", "2", "--grpc-port", "0"]))
+    assert config.engine_args() == EngineArgs(MODEL, pp=2, split=[3, 5], transport="gloo", threads=2,
+                                              microbatches=None, max_queued=None)
+    assert cli.engine_args() == EngineArgs(MODEL, pp=2, transport="gloo", threads=2, microbatches=None)
+    with pytest.raises(ValueError, match="unexpected_keyword_argument|Unexpected keyword"):
+        serve.ServeArgs(**{"model": MODEL, "pipeline_parallel": 2})      # a misspelt setting is refused
+
+
+def test_resolved_fills_in_what_the_defaults_stand_for():
+    args = EngineArgs(MODEL, pp=2, microbatches=None).resolved()
+    assert args.microbatches == 2 and args.threads == default_threads()
+    assert args.model == os.path.abspath(resolve_model_path(MODEL))
+    assert EngineArgs(MODEL, threads=3).resolved().threads == 3
+
+
+def test_the_transports_are_the_pipelines():
+    for transport in TRANSPORTS:
+        EngineArgs(MODEL, transport=transport).validate()
+    assert generate.parse_args(["--model", MODEL, *JOB, "--transport", TRANSPORTS[-1]]).transport == TRANSPORTS[-1]
+
+
+def test_a_bad_flag_ends_the_job_with_one_line(tmp_path, capsys):
+    """Before any work: no Ray is started, nothing is read."""
+    out = tmp_path / "out.jsonl"
+    code = generate.main(["--model", MODEL, "--input", str(tmp_path / "missing.jsonl"), "--output", str(out),
+                          "--pp", "2", "--microbatches", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: --microbatches 1 must be >= --pp 2 to keep every stage busy"]
+    assert not out.exists()
