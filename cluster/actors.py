@@ -22,6 +22,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def check_gpu_memory(need: int, layers: range, max_running: int):
+    """Before a GPU stage reads a weight: its weights and caches against the device's free memory."""
+    free, _ = torch.cuda.mem_get_info()
+    if need > free:
+        raise RaymoeError(f"layers {layers.start}-{layers.stop - 1} need {need / 2**30:.1f} GiB on their GPU "
+                          f"(weights and caches for --max-running {max_running}), and it has {free / 2**30:.1f} "
+                          "GiB free; use more stages (--pp), a lower --max-running or --max-model-len")
+
+
 class ExpertClient:
     """Stage-side view of its expert actors: every actor runs the experts it holds, the stage
     merges the (slot, row) pieces; kernels.moe.combine_slots makes the sum order fixed."""
@@ -30,8 +39,9 @@ class ExpertClient:
         self.actors = actors
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
-        parts = ray.get([a.run.remote(layer, x, ids) for a in self.actors])
-        return torch.cat([s for s, _ in parts]), torch.cat([r for _, r in parts])
+        # tensors cross processes through the host (the object store)
+        parts = ray.get([a.run.remote(layer, x.cpu(), ids.cpu()) for a in self.actors])
+        return (torch.cat([s for s, _ in parts]).to(x.device), torch.cat([r for _, r in parts]).to(x.device))
 
 
 @ray.remote
@@ -47,13 +57,15 @@ class ExpertActor:
     def _load(self, args, layers, experts):
         torch.set_num_threads(args.threads)
         model = open_model(args.model, args.max_model_len)
-        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype)
+        self.device = torch.device(args.device)
+        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
         spec = model.arch.moe_spec(model.config)
         self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
 
     @torch.inference_mode()
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
-        return self.experts[layer](x, ids)
+        slots, rows = self.experts[layer](x.to(self.device), ids.to(self.device))
+        return slots.cpu(), rows.cpu()
 
     def ping(self) -> int:
         if self.init_error is not None:
@@ -76,10 +88,13 @@ class StageActor:
         args = self.args
         torch.set_num_threads(args.threads)
         model = open_model(args.model, args.max_model_len)
-        total = stage_need(model, self.layers, args.dtype).weight_bytes
+        need = stage_need(model, self.layers, args.dtype)
+        total = need.weight_bytes
+        if args.device == "cuda":
+            check_gpu_memory(need.total(args.max_running), self.layers, args.max_running)
         self.loaded = (0, total)
         remote = ExpertClient(self.expert_actors) if self.expert_actors else None
-        self.stage = Stage(model, self.layers, args.dtype, remote_experts=remote,
+        self.stage = Stage(model, self.layers, args.dtype, remote_experts=remote, device=args.device,
                            progress=lambda done: setattr(self, "loaded", (done, total)))
         self.hidden_size = model.config.hidden
         return os.getpid()
@@ -90,8 +105,10 @@ class StageActor:
         return self.loaded
 
     def forward(self, batch, hidden=None):
-        """Object-store transport: the previous stage's output arrives as this call's argument."""
-        return self.stage.forward(batch, hidden)
+        """Object-store transport: the previous stage's output arrives as this call's argument (through
+        the host, from a GPU stage)."""
+        out = self.stage.forward(batch, hidden)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
 
     def fail_next_forward(self):
         """Test hook (fault injection): the next forward raises MemoryError, as an allocation that does
@@ -111,13 +128,15 @@ class StageActor:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def join_group(self, address: str, rank: int, world: int):
+    def join_group(self, address: str, rank: int, world: int, backend: str = "gloo"):
+        """gloo moves host tensors (a GPU stage's output is staged through the host), nccl device tensors."""
         import datetime
 
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         self.group = (rank, world)
+        self.wire = self.stage.device if backend == "nccl" else torch.device("cpu")
 
     def forward_p2p(self, batch):
         """Receive hidden states from the previous rank, run the layers, send to the next; the last
@@ -126,12 +145,12 @@ class StageActor:
         rank, world = self.group
         hidden = None
         if rank > 0:
-            buf = torch.empty(batch.n_tokens, self.hidden_size)
+            buf = torch.empty(batch.n_tokens, self.hidden_size, device=self.wire)
             dist.recv(buf.view(torch.uint8), src=rank - 1)
             hidden = buf
         out = self.stage.forward(batch, hidden)
         if rank < world - 1:
-            dist.send(out.contiguous().view(torch.uint8), dst=rank + 1)
+            dist.send(out.to(self.wire).contiguous().view(torch.uint8), dst=rank + 1)
             return None
         return out
 

@@ -55,9 +55,24 @@ DEFAULT_MAX_RUNNING = 64
 OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations and logits, not weights
 
 
+def check_gpus(args: EngineArgs):
+    """--device cuda: one GPU per stage and expert actor, among the GPUs Ray knows; else one line, at once."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    actors = args.pp * (1 + args.ep)
+    if gpus < actors:
+        raise RaymoeError(f"--device cuda needs one GPU per actor ({actors} for --pp {args.pp}"
+                          + (f" --ep {args.ep}" if args.ep else "") + f"), and the Ray cluster has {gpus}; "
+                          "use --device cpu, fewer stages, or a cluster with more GPUs")
+
+
 def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
-    bundles' `memory` and, in spec.args.max_running, how many sequences may run (see stages/memory.py)."""
+    bundles' `memory` and, in spec.args.max_running, how many sequences may run (see stages/memory.py).
+    GPU stages hold weights and caches on the device (Ray does not know its memory: each stage checks
+    it before loading, StageActor.load); their host memory is a tensor's read buffer."""
+    if spec.args.device == "cuda":
+        spec.args = dataclasses.replace(spec.args, max_running=spec.args.max_running or DEFAULT_MAX_RUNNING)
+        return
     needs = [stage_need(files, r, spec.args.dtype) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
     wanted = spec.args.max_running
@@ -107,6 +122,8 @@ class ClusterEngine:
         self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
         spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=f"raymoe-{uuid.uuid4().hex[:8]}")
         connect_ray(args.pp * (1 + args.ep))
+        if args.device == "cuda":
+            check_gpus(args)
         plan_memory(files, spec)
         self.coordinator = Coordinator.options(num_cpus=0).remote(spec)
         self._call(show_loading(self.coordinator.start.remote(), spec))

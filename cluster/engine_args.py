@@ -67,8 +67,10 @@ class EngineArgs:
                               ("placement", PLACEMENTS)):
             if getattr(self, name) not in choices:
                 fail(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.device != "cpu":
-            fail("device", "cuda needs CUDA stages, which this build does not have yet; use --device cpu")
+        if self.transport == "nccl" and self.device != "cuda":
+            fail("transport", "nccl moves GPU tensors: it needs --device cuda (on CPU use gloo, shm or object_store)")
+        if self.device == "cuda" and self.dtype == "int8":
+            fail("dtype", "int8 is a CPU mode (int8 rows); with --device cuda use auto or float32")
         for name, low, none_ok in (("pp", 1, False), ("ep", 0, False), ("threads", 1, True),
                                    ("max_batch_tokens", 1, False), ("prefill_chunk", 1, False),
                                    ("max_running", 1, True), ("max_model_len", 1, True), ("max_queued", 0, True)):
@@ -120,7 +122,8 @@ FLAGS = {
     "dtype": dict(choices=tuple(MODES), help="auto: weights compute in their file's format, quantised ones with 8-bit "
                                              "activations (as llama.cpp); float32: exact; int8: every weight matrix "
                                              "requantised to int8 rows"),
-    "device": dict(choices=DEVICES),
+    "device": dict(choices=DEVICES, help="cuda: each stage actor takes one GPU and keeps weights, caches and "
+                                         "activations on it"),
     "max_model_len": dict(type=int, help="context bound: sizes each sequence's cache (default %(default)s, or the "
                                          "model's if shorter)"),
     "max_running": dict(type=int, help="sequences holding caches at once (default: as many as memory allows, at "

@@ -5,7 +5,9 @@ Transports (outputs never depend on the choice):
 - `object_store`: each stage call takes the previous stage's result ObjectRef as its argument;
   Ray moves the tensor through its object store (shared memory on one node, works across nodes).
 - `gloo`: stages exchange activations with torch.distributed send/recv over a gloo group; the
-  coordinator only sends each stage the batch description.
+  coordinator only sends each stage the batch description. GPU stages stage through the host.
+- `nccl` (GPU stages): the same send/recv over an NCCL group, device to device. torch.distributed
+  rather than ray.util.collective: one code path with gloo, and no CuPy dependency.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from .actors import ExpertActor, StageActor
 if TYPE_CHECKING:
     from .engine_args import EngineArgs
 
-TRANSPORTS = ("object_store", "gloo")
+TRANSPORTS = ("object_store", "gloo", "nccl")
+P2P = ("gloo", "nccl")      # torch.distributed point-to-point transports
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
@@ -88,13 +91,14 @@ class Pipeline:
         """Wait for every actor to load; join the process group for the gloo transport."""
         ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
         self.loading.clear()
-        if self.args.transport == "gloo":
+        if self.args.transport in P2P:
             address = ray.get(self.stages[0].rendezvous_address.remote())
-            ray.get([a.join_group.remote(address, rank, len(self.stages)) for rank, a in enumerate(self.stages)])
+            ray.get([a.join_group.remote(address, rank, len(self.stages), self.args.transport)
+                     for rank, a in enumerate(self.stages)])
 
     def submit(self, batch) -> list:
         """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
-        if self.args.transport == "gloo":
+        if self.args.transport in P2P:
             return [a.forward_p2p.remote(batch) for a in self.stages]
         refs, ref = [], None
         for a in self.stages:
@@ -109,7 +113,7 @@ class Pipeline:
     def restart(self):
         """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
         every stage's caches; the caller recomputes the sequences in flight."""
-        if self.args.transport == "gloo":     # survivors may be blocked in recv: replace them all
+        if self.args.transport in P2P:     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:
             dead = [i for i, a in enumerate(self.stages) if not self._alive([a] + self.experts[i])]

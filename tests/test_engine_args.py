@@ -1,6 +1,8 @@
 """EngineArgs: one settings object from the command line, the Serve config and Python, checked in one
 place with one-line errors naming the flag. No Ray needed."""
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,12 +14,14 @@ from stages.errors import RaymoeError
 from stages.loader import resolve_model_path
 
 MODEL = "tiny-qwen35moe"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = ["--input", "in.jsonl", "--output", "out.jsonl"]
 
 
 @pytest.mark.parametrize("changes, flag", [
     ({"pp": 0}, "--pp"), ({"ep": -1}, "--ep"), ({"dtype": "fp8"}, "--dtype"), ({"device": "tpu"}, "--device"),
-    ({"device": "cuda"}, "--device"), ({"transport": "carrier-pigeon"}, "--transport"),
+    ({"device": "cuda", "dtype": "int8"}, "--dtype"), ({"transport": "nccl"}, "--transport"),
+    ({"transport": "carrier-pigeon"}, "--transport"),
     ({"placement": "scatter"}, "--placement"), ({"threads": 0}, "--threads"), ({"split": [3, 0]}, "--split"),
     ({"pp": 2, "split": [8]}, "--split"), ({"pp": 2, "microbatches": 1}, "--microbatches"),
     ({"max_batch_tokens": 0}, "--max-batch-tokens"), ({"prefill_chunk": 0}, "--prefill-chunk"),
@@ -87,7 +91,7 @@ def test_resolved_fills_in_what_the_defaults_stand_for():
 
 def test_the_transports_are_the_pipelines():
     for transport in TRANSPORTS:
-        EngineArgs(MODEL, transport=transport).validate()
+        EngineArgs(MODEL, transport=transport, device="cuda" if transport == "nccl" else "cpu").validate()
     assert generate.parse_args(["--model", MODEL, *JOB, "--transport", TRANSPORTS[-1]]).transport == TRANSPORTS[-1]
 
 
@@ -99,3 +103,15 @@ def test_a_bad_flag_ends_the_job_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["error: --microbatches 1 must be >= --pp 2 to keep every stage busy"]
     assert not out.exists()
+
+
+def test_device_cuda_on_a_cluster_without_gpus_is_refused_at_once():
+    """One line naming the need and what Ray has, before any actor starts or any weight is read."""
+    code = ("import ray, sys; from cluster.engine import ClusterEngine, EngineArgs\n"
+            "from stages.errors import RaymoeError\n"
+            "ray.init(address='local', num_cpus=2, num_gpus=0, include_dashboard=False, logging_level='ERROR')\n"
+            "try:\n    ClusterEngine(EngineArgs(sys.argv[1], pp=2, device='cuda'))\nexcept RaymoeError as e:\n"
+            "    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, MODEL], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == ("--device cuda needs one GPU per actor (2 for --pp 2), and the Ray cluster has 0; "
+                                   "use --device cpu, fewer stages, or a cluster with more GPUs"), proc.stdout + proc.stderr
