@@ -1,6 +1,6 @@
 """Products straight from GGML blocks on the GPU: the weight stays in the bytes the GGUF file stores
-(uint8 [..., N, row_bytes], as kernels/blocks.py takes it) and each 32-value piece of a row is decoded
-in registers, then multiplied with float32 activations and summed in float32 (the exact mode of
+(uint8 [..., N, row_bytes], as kernels/blocks.py takes it) and each 16-value half-piece of a row is
+decoded in registers, then multiplied with float32 activations and summed in float32 (the exact mode of
 kernels/blocks.py; there is no 8-bit-activation mode here).
 
     grouped_product     for each (g, a, b): out[a:b] = x[a:b] @ deq(raw[g]).T  (decode's few rows and the
@@ -10,11 +10,12 @@ kernels/blocks.py; there is no 8-bit-activation mode here).
     dequantize_rows     raw rows (optionally picked by id: embeddings) -> float32, bit for bit as gguf-py
 
 The decoders follow kernels/dequant.py operation for operation (scales to float32 first, then the same
-multiplies and subtractions, no fused multiply-add) so that dequantisation is bit-exact.
+multiplies and subtractions, no fused multiply-add: every kernel here is compiled with fusion off) so
+that dequantisation is bit-exact, in the products too; the products accumulate with explicit tl.fma.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
@@ -30,6 +31,7 @@ FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer on
 # half-pieces a step, warps). Rows x weight rows x step = 2048 float32 accumulators, 16 a thread at 4
 # warps. At one row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM),
 # 512 values of each a step (two K-quant super-blocks, sixteen legacy blocks in flight at once).
+# tests/triton_cases.py's error bound holds for any K while half-pieces a step <= 32.
 FEW_TILES = {1: (4, 32, 4), 2: (4, 16, 4), 4: (4, 8, 4), 8: (4, 4, 4), 16: (4, 2, 4)}
 
 
@@ -280,8 +282,8 @@ def prepare_grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, 
         if not (0 <= g < g_count and 0 <= a <= b <= m):
             raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
     qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
-    args = dict(TYPE=int(ggml_type), QK=qk, TYPE_SIZE=type_size, VALUE_MASK=k % 16 != 0,
-                enable_fp_fusion=False)       # decode as dequantize_rows does; the products use tl.fma
+    args = {"TYPE": int(ggml_type), "QK": qk, "TYPE_SIZE": type_size, "VALUE_MASK": k % 16 != 0,
+            "enable_fp_fusion": False}        # decode as dequantize_rows does; the products use tl.fma
     launches = []
     few = [grp for grp in groups if 0 < grp[2] - grp[1] <= FEW_ROWS]
     many = [grp for grp in groups if grp[2] - grp[1] > FEW_ROWS]
