@@ -28,11 +28,14 @@ TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T
          T.MXFP4)
 FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer ones use tl.dot tiles
 # few-row tiles by the group's rows rounded up to a power of two: (weight rows a program, 16-value
-# half-pieces a step, warps). Rows x weight rows x step = 2048 float32 accumulators, 16 a thread at 4
-# warps. At one row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM),
-# 512 values of each a step (two K-quant super-blocks, sixteen legacy blocks in flight at once).
-# tests/triton_cases.py's error bound holds for any K while half-pieces a step <= 32.
-FEW_TILES = {1: (4, 32, 4), 2: (4, 16, 4), 4: (4, 8, 4), 8: (4, 4, 4), 16: (4, 2, 4)}
+# half-pieces a step, warps, steps unrolled). Rows x weight rows x step = 2048 float32 accumulators. At one
+# row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM), 512 values of each
+# a step (two K-quant super-blocks, sixteen legacy blocks), two steps' weight bytes in flight at once, and
+# 8 warps, so 8 values a thread: for every format the per-half-piece scales then share the values' layout
+# (compiled for sm_90: no shared-memory shuffle in the loop, 40-78 registers, no spills). Not yet tuned on
+# a GPU: tests/gpu/run.py times alternatives. tests/triton_cases.py's error bound holds for any K while
+# half-pieces <= 32.
+FEW_TILES = {1: (4, 32, 8, 2), 2: (4, 16, 8, 2), 4: (4, 8, 4, 1), 8: (4, 4, 4, 1), 16: (4, 2, 4, 1)}
 
 
 @triton.jit
@@ -50,6 +53,14 @@ def _f16(p, mask):
 def _u32(p, mask):
     """The four bytes at p, little-endian, as one int32 (Q5_0/Q5_1's 32 fifth bits)."""
     return _byte(p, mask) | (_byte(p + 1, mask) << 8) | (_byte(p + 2, mask) << 16) | (_byte(p + 3, mask) << 24)
+
+
+@triton.jit
+def _small(q, offset: tl.constexpr):
+    """float(q - offset) for ints 0 <= q < 2**23, exactly: q's bits under the float 2**23's exponent make
+    2**23 + q, and subtracting 2**23 + offset is exact. Two full-rate operations where a conversion
+    instruction (of the narrow integers the compiler turns bytes into) runs at a quarter of the rate."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
 
 @triton.jit
@@ -81,28 +92,28 @@ def _decode(blk, sub, h, i, mask, TYPE: tl.constexpr):
         bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0).to(tl.int32) << 16
         x = bits.to(tl.float32, bitcast=True)
     elif TYPE == 8:    # Q8_0: d | qs[32] int8
-        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        x = q * _f16(blk, mask)
+        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int32) ^ 0x80      # int8 + 128
+        x = _small(q, 128) * _f16(blk, mask)
     elif TYPE == 2:    # Q4_0: d | qs[16] nibbles (low: values 0..15)
         q = (_byte(blk + 2 + i, mask) >> (4 * h)) & 15
-        x = (q.to(tl.float32) - 8) * _f16(blk, mask)
+        x = _small(q, 8) * _f16(blk, mask)
     elif TYPE == 3:    # Q4_1: d | m | qs[16]
         q = (_byte(blk + 4 + i, mask) >> (4 * h)) & 15
-        x = q.to(tl.float32) * _f16(blk, mask) + _f16(blk + 2, mask)
+        x = _small(q, 0) * _f16(blk, mask) + _f16(blk + 2, mask)
     elif TYPE == 6:    # Q5_0: d | qh[4] (bit j: value j's 5th bit) | qs[16]
         q = (_byte(blk + 6 + i, mask) >> (4 * h)) & 15
         q = q | (((_u32(blk + 2, mask) >> j) & 1) << 4)
-        x = (q.to(tl.float32) - 16) * _f16(blk, mask)
+        x = _small(q, 16) * _f16(blk, mask)
     elif TYPE == 7:    # Q5_1: d | m | qh[4] | qs[16]
         q = (_byte(blk + 8 + i, mask) >> (4 * h)) & 15
         q = q | (((_u32(blk + 4, mask) >> j) & 1) << 4)
-        x = q.to(tl.float32) * _f16(blk, mask) + _f16(blk + 2, mask)
+        x = _small(q, 0) * _f16(blk, mask) + _f16(blk + 2, mask)
     elif TYPE == 10:   # Q2_K: scales[16] | qs[64] | d | dmin; piece sub: qs[32*(sub//4) + j] >> 2*(sub%4)
         q = (_byte(blk + 16 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
         scales = _byte(blk + 2 * sub + h, mask)     # one per 16 values: low nibble scale, high min
         dl = _f16(blk + 80, mask) * (scales & 15).to(tl.float32)
         ml = _f16(blk + 82, mask) * (scales >> 4).to(tl.float32)
-        x = q.to(tl.float32) * dl - ml
+        x = _small(q, 0) * dl - ml
     elif TYPE == 11:   # Q3_K: hmask[32] | qs[64] | scales[12] | d; 16-value group s: 6-bit scale
         s = 2 * sub + h
         lo = (_byte(blk + 96 + s % 8, mask) >> (4 * (s // 8))) & 15
@@ -110,27 +121,29 @@ def _decode(blk, sub, h, i, mask, TYPE: tl.constexpr):
         dl = _f16(blk + 108, mask) * ((lo | (hi << 4)).to(tl.float32) - 32)
         ql = (_byte(blk + 32 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
         hbit = (_byte(blk + j, mask) >> sub) & 1
-        x = (ql.to(tl.float32) - ((hbit ^ 1) << 2).to(tl.float32)) * dl
+        x = _small(ql + (hbit << 2), 4) * dl          # ql - 4 where the high bit is clear
     elif TYPE == 12:   # Q4_K: d | dmin | scales[12] | qs[128]; piece sub is sub-block sub
         sc, mn = _k_scale_min(blk + 4, sub, mask)
         q = (_byte(blk + 16 + 32 * (sub // 2) + j, mask) >> (4 * (sub % 2))) & 15
-        x = q.to(tl.float32) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
+        x = _small(q, 0) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
     elif TYPE == 13:   # Q5_K: d | dmin | scales[12] | qh[32] (bit sub of byte j) | qs[128]
         sc, mn = _k_scale_min(blk + 4, sub, mask)
         q = (_byte(blk + 48 + 32 * (sub // 2) + j, mask) >> (4 * (sub % 2))) & 15
         q = q | (((_byte(blk + 16 + j, mask) >> sub) & 1) << 4)
-        x = q.to(tl.float32) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
+        x = _small(q, 0) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
     elif TYPE == 14:   # Q6_K: ql[128] | qh[64] | scales[16] int8 | d; value e = 32*sub + j = 128*(sub//4) + r
         r = 32 * (sub % 4) + j
         lo = (_byte(blk + 64 * (sub // 4) + r % 64, mask) >> (4 * (r // 64))) & 15
         hi = (_byte(blk + 128 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
         sc = _byte(blk + 192 + 2 * sub + h, mask).to(tl.int8).to(tl.float32)
-        x = ((lo | (hi << 4)).to(tl.float32) - 32) * (_f16(blk + 208, mask) * sc)
+        x = _small(lo | (hi << 4), 32) * (_f16(blk + 208, mask) * sc)
     else:              # MXFP4 (39): e8m0 | qs[16] e2m1 nibbles; values doubled, scale halved
         nib = (_byte(blk + 1 + i, mask) >> (4 * h)) & 15
-        mag, exp = nib & 1, (nib >> 1) & 3
-        doubled = tl.where(exp == 0, mag, (2 + mag) << tl.maximum(exp - 1, 0))
-        value = tl.where(nib >= 8, -doubled, doubled).to(tl.float32)
+        # the doubled value's float32 bits: 0 and 1 for magnitudes 0, 1; from 2 on, exponent and mantissa
+        # bit follow the e2m1 bits (2 -> 2.0 = 256 << 22, 3 -> 3.0, 4 -> 4.0, ... 7 -> 12.0)
+        mag = nib & 7
+        bits = tl.where(mag < 2, mag * 0x3F800000, (mag + 254) << 22)
+        value = tl.where(nib > 8, bits | -0x80000000, bits).to(tl.float32, bitcast=True)   # 8: +0
         e8 = _byte(blk, mask)
         d = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
         x = value * d
@@ -157,7 +170,7 @@ def _half_pieces(row_ptrs, k0, starts, i, K, QK: tl.constexpr, TYPE_SIZE: tl.con
 @triton.jit
 def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                      TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HALVES: tl.constexpr, VALUE_MASK: tl.constexpr):
+                     BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
     """Program (n tile, group): all rows of a group of at most BLOCK_M times BLOCK_N weight rows.
 
     Memory-bound at one row: the program walks the rows HALVES*16 values at a time (several blocks'
@@ -180,7 +193,9 @@ def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr,
                              (BLOCK_M, BLOCK_N, HALVES, 16))
     row_on = (rows < b)[:, None, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, HALVES, 16), dtype=tl.float32)
-    for k0 in range(0, K, 16 * HALVES):
+    # unrolled, the next step's weight loads are issued before this step's arithmetic: twice the bytes in
+    # flight for a few more registers
+    for k0 in tl.range(0, K, 16 * HALVES, loop_unroll_factor=UNROLL):
         w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 16 * HALVES, VALUE_MASK)
         on = (k0 + starts + i < K) if VALUE_MASK else (k0 + starts < K)
         xs = tl.load(x_ptrs + k0, mask=row_on & on, other=0.0)
@@ -289,9 +304,10 @@ def prepare_grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, 
     many = [grp for grp in groups if grp[2] - grp[1] > FEW_ROWS]
     if few and n:
         block_m = triton.next_power_of_2(max(b - a for _, a, b in few))
-        block_n, halves, warps = FEW_TILES[block_m]
+        block_n, halves, warps, unroll = FEW_TILES[block_m]
         launches.append((_few_rows_kernel, (triton.cdiv(n, block_n), len(few)), _table(few, x.device),
-                         dict(args, BLOCK_M=block_m, BLOCK_N=block_n, HALVES=halves, num_warps=warps)))
+                         dict(args, BLOCK_M=block_m, BLOCK_N=block_n, HALVES=halves, UNROLL=unroll,
+                              num_warps=warps)))
     if many and n:
         m_tiles = triton.cdiv(max(b - a for _, a, b in many), 32)
         launches.append((_many_rows_kernel, (triton.cdiv(n, 32), len(many), m_tiles), _table(many, x.device),
