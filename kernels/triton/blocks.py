@@ -177,8 +177,9 @@ def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr,
     bytes in flight at once) and keeps one float32 accumulator per (row, weight row, value of the step),
     updated by fused multiply-adds, so the loop has no reductions; the step's lanes are summed once at
     the end. Tiles are [BLOCK_M, BLOCK_N, HALVES, 16]: weights [1, BLOCK_N, ...], activations read in
-    the full shape (at one row, the weight tile's own shape), so that the compiler lays out both alike,
-    16 consecutive values a thread, and moves nothing through shared memory between them."""
+    the full shape (at one row, the weight tile's own shape: the compiler gives memory accesses of one
+    shape the widest access among them, so both are laid out alike, consecutive values a thread, and
+    nothing moves through shared memory between them)."""
     g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
     a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
     b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
