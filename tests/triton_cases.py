@@ -129,14 +129,14 @@ def check_linear(device: str) -> None:
     (two steps of the one-row kernel, the second partial), and F16 rows of 40 values (not whole 16-value
     half-pieces: masked value by value); the bound of check_grouped_product."""
     rng = np.random.default_rng(7)
-    for t, k, n in ((T.Q4_K, 768, 40), (T.F16, 40, 6)):   # n = 40: two 32-column tiles, the second partial
+    # n = 40: two 32-column tiles, the second partial
+    for t, k, n, m in ((T.Q4_K, 768, 40, 1), (T.Q4_K, 256, 40, 33), (T.F16, 40, 6, 1), (T.F16, 40, 6, 33)):
         raw = random_blocks(rng, t, n, k)
         w = dequantize(raw, t).double()
-        for m in (1, 33):
-            x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-            out = blocks.linear(x.to(device), raw.to(device), t, k, torch.empty(m, n, device=device))
-            assert_within(out, x.double() @ w.T, (32 + k / 32 + 2) * U * (x.double().abs() @ w.abs().T),
-                          f"{t.name} linear, {m} rows")
+        x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        out = blocks.linear(x.to(device), raw.to(device), t, k, torch.empty(m, n, device=device))
+        assert_within(out, x.double() @ w.T, (32 + k / 32 + 2) * U * (x.double().abs() @ w.abs().T),
+                      f"{t.name} linear, {m} rows")
 
 
 # --------------------------------------------------------------------------------------------- norms, RoPE
