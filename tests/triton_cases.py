@@ -95,9 +95,14 @@ def check_dequantize(t: T, device: str) -> None:
 
 def check_grouped_product(t: T, device: str) -> None:
     """Few-row groups of different experts (multiply-and-sum) and one many-row group (tl.dot tiles) in one
-    call, against float64 products of the exactly dequantised weights. Each output sums K products in
-    float32, 32 at a time (any order within a piece, then piece after piece): |error| <= (32 + K/32 + 2) U
-    sum|x||w|. The compiled CPU kernel (kernels/blocks.py, exact mode) must meet the same bound."""
+    call, against float64 products of the exactly dequantised weights (the kernels decode with fused
+    multiply-adds off, as dequantize_rows). Each output sums K products in float32: the many-row tiles 32
+    at a time (a product's rounding, any order within a piece, then piece after piece: <= 32 + K/32 + 1
+    roundings a term); the few-row kernel in steps of 16 H values (blocks.FEW_TILES), one fused
+    multiply-add per step into each of the step's lanes, then 16 lanes in any order, then H of those sums:
+    <= K/(16 H) + 1 + 15 + H - 1 roundings, no more than 32 + K/32 + 2 for any K when H <= 32.
+    |error| <= (32 + K/32 + 2) U sum|x||w|. The compiled CPU kernel (kernels/blocks.py, exact mode) must
+    meet the same bound."""
     rng = np.random.default_rng(100 + int(t))
     k, n, experts = block_row_length(t), 24, 3
     raw = random_blocks(rng, t, experts * n, k).reshape(experts, n, -1)
@@ -136,17 +141,18 @@ def check_slot_product(t: T, device: str) -> None:
 
 
 def check_linear(device: str) -> None:
-    """One decode row and one prefill-sized batch through `linear` (a single group), Q4_K: the bound of
-    check_grouped_product."""
+    """One decode row and one prefill-sized batch through `linear` (a single group): Q4_K over 768 values
+    (two steps of the one-row kernel, the second partial), and F16 rows of 40 values (not whole 16-value
+    half-pieces: masked value by value); the bound of check_grouped_product."""
     rng = np.random.default_rng(7)
-    t, k, n = T.Q4_K, 256, 40                          # n spans two 32-column tiles, the second partial
-    raw = random_blocks(rng, t, n, k)
-    w = dequantize(raw, t).double()
-    for m in (1, 33):
+    # n = 40: two 32-column tiles, the second partial
+    for t, k, n, m in ((T.Q4_K, 768, 40, 1), (T.Q4_K, 256, 40, 33), (T.F16, 40, 6, 1), (T.F16, 40, 6, 33)):
+        raw = random_blocks(rng, t, n, k)
+        w = dequantize(raw, t).double()
         x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
         out = blocks.linear(x.to(device), raw.to(device), t, k, torch.empty(m, n, device=device))
         assert_within(out, x.double() @ w.T, (32 + k / 32 + 2) * U * (x.double().abs() @ w.abs().T),
-                      f"linear, {m} rows")
+                      f"{t.name} linear, {m} rows")
 
 
 # --------------------------------------------------------------------------------------------- norms, RoPE

@@ -1,6 +1,6 @@
 """Products straight from GGML blocks on the GPU: the weight stays in the bytes the GGUF file stores
-(uint8 [..., N, row_bytes], as kernels/blocks.py takes it) and each 32-value piece of a row is decoded
-in registers, then multiplied with float32 activations and summed in float32 (the exact mode of
+(uint8 [..., N, row_bytes], as kernels/blocks.py takes it) and each 16-value half-piece of a row is
+decoded in registers, then multiplied with float32 activations and summed in float32 (the exact mode of
 kernels/blocks.py; there is no 8-bit-activation mode here).
 
     grouped_product     for each (g, a, b): out[a:b] = x[a:b] @ deq(raw[g]).T  (decode's few rows and the
@@ -10,9 +10,12 @@ kernels/blocks.py; there is no 8-bit-activation mode here).
     dequantize_rows     raw rows (optionally picked by id: embeddings) -> float32, bit for bit as gguf-py
 
 The decoders follow kernels/dequant.py operation for operation (scales to float32 first, then the same
-multiplies and subtractions, no fused multiply-add) so that dequantisation is bit-exact.
+multiplies and subtractions, no fused multiply-add: every kernel here is compiled with fusion off) so
+that dequantisation is bit-exact, in the products too; the products accumulate with explicit tl.fma.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -24,7 +27,15 @@ from .launch import check_device
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
          T.MXFP4)
 FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer ones use tl.dot tiles
-PIECE = 32             # values decoded per step: one legacy block, one K-quant sub-block (or two halves)
+# few-row tiles by the group's rows rounded up to a power of two: (weight rows a program, 16-value
+# half-pieces a step, warps, steps unrolled). Rows x weight rows x step = 2048 float32 accumulators. At one
+# row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM), 512 values of each
+# a step (two K-quant super-blocks, sixteen legacy blocks), two steps' weight bytes in flight at once, and
+# 8 warps, so 8 values a thread: for every format the per-half-piece scales then share the values' layout
+# (compiled for sm_90: no shared-memory shuffle in the loop, 40-78 registers, no spills). Not yet tuned on
+# a GPU: tests/gpu/run.py times alternatives. tests/triton_cases.py's error bound holds for any K while
+# half-pieces <= 32.
+FEW_TILES = {1: (4, 32, 8, 2), 2: (4, 16, 8, 2), 4: (4, 8, 4, 1), 8: (4, 4, 4, 1), 16: (4, 2, 4, 1)}
 
 
 @triton.jit
@@ -34,94 +45,105 @@ def _byte(p, mask):
 
 @triton.jit
 def _f16(p, mask):
-    """The little-endian float16 at p (two bytes), as float32."""
-    bits = _byte(p, mask) | (_byte(p + 1, mask) << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    """The little-endian float16 at p (two bytes, always at an even offset), as float32 (exact)."""
+    return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _u32(p, mask):
+    """The four bytes at p, little-endian, as one int32 (Q5_0/Q5_1's 32 fifth bits)."""
+    return _byte(p, mask) | (_byte(p + 1, mask) << 8) | (_byte(p + 2, mask) << 16) | (_byte(p + 3, mask) << 24)
+
+
+@triton.jit
+def _small(q, offset: tl.constexpr):
+    """float(q - offset) for ints 0 <= q < 2**23, exactly: q's bits under the float 2**23's exponent make
+    2**23 + q, and subtracting 2**23 + offset is exact. Two full-rate operations where a conversion
+    instruction (of the narrow integers the compiler turns bytes into) runs at a quarter of the rate."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
 
 @triton.jit
 def _k_scale_min(s, sub, mask):
     """Q4_K/Q5_K: scale and min of sub-block `sub` (0..7) from the 12 scale bytes at s (see dequant.py)."""
-    if sub < 4:
-        sc = _byte(s + sub, mask) & 63
-        mn = _byte(s + 4 + sub, mask) & 63
-    else:
-        packed = _byte(s + 4 + sub, mask)
-        sc = (packed & 15) | ((_byte(s + sub - 4, mask) >> 2) & 0x30)
-        mn = (packed >> 4) | ((_byte(s + sub, mask) >> 2) & 0x30)
+    first = sub < 4
+    b_sub = _byte(s + sub, mask)               # sub < 4: 6-bit scale; else the min's top 2 bits
+    b_next = _byte(s + 4 + sub, mask)          # sub < 4: 6-bit min; else scale and min low nibbles
+    b_prev = _byte(s + (sub + 4) % 8, mask)    # sub >= 4: byte sub - 4, the scale's top 2 bits
+    sc = tl.where(first, b_sub & 63, (b_next & 15) | ((b_prev >> 2) & 0x30))
+    mn = tl.where(first, b_next & 63, (b_next >> 4) | ((b_sub >> 2) & 0x30))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _decode(blk, sub, mask, limit, TYPE: tl.constexpr):
-    """Values 32*sub .. 32*sub+31 of the block starting at byte pointers blk [R, 1] -> float32 [R, 32]
-    (rows where mask [R, 1] is off read nothing). For F32/F16/BF16 a block is one value: blk points at
-    the first of the 32, of which only the first `limit` are read (a row need not be whole pieces)."""
-    j = tl.arange(0, 32)[None, :]
-    m = mask & (j < limit)
+def _decode(blk, sub, h, i, mask, TYPE: tl.constexpr):
+    """Decode half-pieces of 16 values -> float32 [R, H, 16]: half-piece q is values 16h+0..15 of piece
+    `sub` (32 values) of the block at byte pointers blk (for F32/F16/BF16, whose block is one value:
+    blk points at the half-piece's first value). blk [R, H, 1], sub and h [1, H, 1], i = arange(16) on
+    the last axis; mask [R, H, 1] (or [R, H, 16] for float rows that are not whole half-pieces).
+    Bytes a half-piece shares (scales, fifth bits) are read once per half-piece on [R, H, 1] tiles; the
+    quant bytes are contiguous along i, so the compiler loads them as wide words where they are aligned."""
+    j = 16 * h + i                                  # value within the piece
     if TYPE == 0:      # F32
-        bits = (_byte(blk + 4 * j, m) | (_byte(blk + 4 * j + 1, m) << 8) | (_byte(blk + 4 * j + 2, m) << 16)
-                | (_byte(blk + 4 * j + 3, m) << 24))
-        x = bits.to(tl.float32, bitcast=True)
+        x = tl.load(blk.to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0)
     elif TYPE == 1:    # F16
-        x = _f16(blk + 2 * j, m)
+        x = tl.load(blk.to(tl.pointer_type(tl.float16)) + i, mask=mask, other=0).to(tl.float32)
     elif TYPE == 30:   # BF16: the top half of a float32
-        bits = (_byte(blk + 2 * j, m) << 16) | (_byte(blk + 2 * j + 1, m) << 24)
+        bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0).to(tl.int32) << 16
         x = bits.to(tl.float32, bitcast=True)
     elif TYPE == 8:    # Q8_0: d | qs[32] int8
-        q = _byte(blk + 2 + j, m).to(tl.int8).to(tl.float32)
-        x = q * _f16(blk, mask)
+        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int32) ^ 0x80      # int8 + 128
+        x = _small(q, 128) * _f16(blk, mask)
     elif TYPE == 2:    # Q4_0: d | qs[16] nibbles (low: values 0..15)
-        q = (_byte(blk + 2 + j % 16, m) >> (4 * (j // 16))) & 15
-        x = (q.to(tl.float32) - 8) * _f16(blk, mask)
+        q = (_byte(blk + 2 + i, mask) >> (4 * h)) & 15
+        x = _small(q, 8) * _f16(blk, mask)
     elif TYPE == 3:    # Q4_1: d | m | qs[16]
-        q = (_byte(blk + 4 + j % 16, m) >> (4 * (j // 16))) & 15
-        x = q.to(tl.float32) * _f16(blk, mask) + _f16(blk + 2, mask)
+        q = (_byte(blk + 4 + i, mask) >> (4 * h)) & 15
+        x = _small(q, 0) * _f16(blk, mask) + _f16(blk + 2, mask)
     elif TYPE == 6:    # Q5_0: d | qh[4] (bit j: value j's 5th bit) | qs[16]
-        q = (_byte(blk + 6 + j % 16, m) >> (4 * (j // 16))) & 15
-        q = q | (((_byte(blk + 2 + j // 8, m) >> (j % 8)) & 1) << 4)
-        x = (q.to(tl.float32) - 16) * _f16(blk, mask)
+        q = (_byte(blk + 6 + i, mask) >> (4 * h)) & 15
+        q = q | (((_u32(blk + 2, mask) >> j) & 1) << 4)
+        x = _small(q, 16) * _f16(blk, mask)
     elif TYPE == 7:    # Q5_1: d | m | qh[4] | qs[16]
-        q = (_byte(blk + 8 + j % 16, m) >> (4 * (j // 16))) & 15
-        q = q | (((_byte(blk + 4 + j // 8, m) >> (j % 8)) & 1) << 4)
-        x = q.to(tl.float32) * _f16(blk, mask) + _f16(blk + 2, mask)
-    elif TYPE == 10:   # Q2_K: scales[16] | qs[64] | d | dmin; value e: byte 16+32*(e//128)+e%32, bits 2*((e%128)//32)
-        e = 32 * sub + j
-        q = (_byte(blk + 16 + 32 * (e // 128) + e % 32, m) >> (2 * ((e % 128) // 32))) & 3
-        scales = _byte(blk + e // 16, m)
+        q = (_byte(blk + 8 + i, mask) >> (4 * h)) & 15
+        q = q | (((_u32(blk + 4, mask) >> j) & 1) << 4)
+        x = _small(q, 0) * _f16(blk, mask) + _f16(blk + 2, mask)
+    elif TYPE == 10:   # Q2_K: scales[16] | qs[64] | d | dmin; piece sub: qs[32*(sub//4) + j] >> 2*(sub%4)
+        q = (_byte(blk + 16 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
+        scales = _byte(blk + 2 * sub + h, mask)     # one per 16 values: low nibble scale, high min
         dl = _f16(blk + 80, mask) * (scales & 15).to(tl.float32)
         ml = _f16(blk + 82, mask) * (scales >> 4).to(tl.float32)
-        x = q.to(tl.float32) * dl - ml
-    elif TYPE == 11:   # Q3_K: hmask[32] | qs[64] | scales[12] | d
-        e = 32 * sub + j
-        s = e // 16
-        lo = (_byte(blk + 96 + s % 8, m) >> (4 * (s // 8))) & 15
-        hi = (_byte(blk + 104 + s % 4, m) >> (2 * (s // 4))) & 3
+        x = _small(q, 0) * dl - ml
+    elif TYPE == 11:   # Q3_K: hmask[32] | qs[64] | scales[12] | d; 16-value group s: 6-bit scale
+        s = 2 * sub + h
+        lo = (_byte(blk + 96 + s % 8, mask) >> (4 * (s // 8))) & 15
+        hi = (_byte(blk + 104 + s % 4, mask) >> (2 * (s // 4))) & 3
         dl = _f16(blk + 108, mask) * ((lo | (hi << 4)).to(tl.float32) - 32)
-        ql = (_byte(blk + 32 + 32 * (e // 128) + e % 32, m) >> (2 * ((e % 128) // 32))) & 3
-        hbit = (_byte(blk + e % 32, m) >> (e // 32)) & 1
-        x = (ql.to(tl.float32) - ((hbit ^ 1) << 2).to(tl.float32)) * dl
-    elif TYPE == 12:   # Q4_K: d | dmin | scales[12] | qs[128]; sub-block `sub` is one piece
+        ql = (_byte(blk + 32 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
+        hbit = (_byte(blk + j, mask) >> sub) & 1
+        x = _small(ql + (hbit << 2), 4) * dl          # ql - 4 where the high bit is clear
+    elif TYPE == 12:   # Q4_K: d | dmin | scales[12] | qs[128]; piece sub is sub-block sub
         sc, mn = _k_scale_min(blk + 4, sub, mask)
-        q = (_byte(blk + 16 + 32 * (sub // 2) + j, m) >> (4 * (sub % 2))) & 15
-        x = q.to(tl.float32) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
+        q = (_byte(blk + 16 + 32 * (sub // 2) + j, mask) >> (4 * (sub % 2))) & 15
+        x = _small(q, 0) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
     elif TYPE == 13:   # Q5_K: d | dmin | scales[12] | qh[32] (bit sub of byte j) | qs[128]
         sc, mn = _k_scale_min(blk + 4, sub, mask)
-        q = (_byte(blk + 48 + 32 * (sub // 2) + j, m) >> (4 * (sub % 2))) & 15
-        q = q | (((_byte(blk + 16 + j, m) >> sub) & 1) << 4)
-        x = q.to(tl.float32) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
-    elif TYPE == 14:   # Q6_K: ql[128] | qh[64] | scales[16] int8 | d; per 128-value half h, value r
-        e = 32 * sub + j
-        h, r = e // 128, e % 128
-        lo = (_byte(blk + 64 * h + r % 64, m) >> (4 * (r // 64))) & 15
-        hi = (_byte(blk + 128 + 32 * h + r % 32, m) >> (2 * (r // 32))) & 3
-        sc = _byte(blk + 192 + e // 16, m).to(tl.int8).to(tl.float32)
-        x = ((lo | (hi << 4)).to(tl.float32) - 32) * (_f16(blk + 208, mask) * sc)
+        q = (_byte(blk + 48 + 32 * (sub // 2) + j, mask) >> (4 * (sub % 2))) & 15
+        q = q | (((_byte(blk + 16 + j, mask) >> sub) & 1) << 4)
+        x = _small(q, 0) * (_f16(blk, mask) * sc) - _f16(blk + 2, mask) * mn
+    elif TYPE == 14:   # Q6_K: ql[128] | qh[64] | scales[16] int8 | d; value e = 32*sub + j = 128*(sub//4) + r
+        r = 32 * (sub % 4) + j
+        lo = (_byte(blk + 64 * (sub // 4) + r % 64, mask) >> (4 * (r // 64))) & 15
+        hi = (_byte(blk + 128 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
+        sc = _byte(blk + 192 + 2 * sub + h, mask).to(tl.int8).to(tl.float32)
+        x = _small(lo | (hi << 4), 32) * (_f16(blk + 208, mask) * sc)
     else:              # MXFP4 (39): e8m0 | qs[16] e2m1 nibbles; values doubled, scale halved
-        nib = (_byte(blk + 1 + j % 16, m) >> (4 * (j // 16))) & 15
-        mag, exp = nib & 1, (nib >> 1) & 3
-        doubled = tl.where(exp == 0, mag, (2 + mag) << tl.maximum(exp - 1, 0))
-        value = tl.where(nib >= 8, -doubled, doubled).to(tl.float32)
+        nib = (_byte(blk + 1 + i, mask) >> (4 * h)) & 15
+        # the doubled value's float32 bits: 0 and 1 for magnitudes 0, 1; from 2 on, exponent and mantissa
+        # bit follow the e2m1 bits (2 -> 2.0 = 256 << 22, 3 -> 3.0, 4 -> 4.0, ... 7 -> 12.0)
+        mag = nib & 7
+        bits = tl.where(mag < 2, mag * 0x3F800000, (mag + 254) << 22)
+        value = tl.where(nib > 8, bits | -0x80000000, bits).to(tl.float32, bitcast=True)   # 8: +0
         e8 = _byte(blk, mask)
         d = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
         x = value * d
@@ -129,30 +151,85 @@ def _decode(blk, sub, mask, limit, TYPE: tl.constexpr):
 
 
 @triton.jit
-def _product_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
-                    TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-    """Program (n tile, group, m tile): rows BLOCK_M of the group times BLOCK_N weight rows."""
+def _half_pieces(row_ptrs, k0, starts, i, K, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, TYPE: tl.constexpr,
+                 STEP: tl.constexpr, VALUE_MASK: tl.constexpr):
+    """Weight values k0+starts+i (starts: multiples of 16 below STEP; i: arange(16) on the last axis) of
+    each row -> float32, zero past K. k0 is a multiple of STEP; when the step spans whole blocks every
+    index below but k0 // QK is the same at every step (computed once, outside the loop). The mask is per
+    half-piece unless rows end inside one (VALUE_MASK: float rows only), so that it never splits a wide
+    load."""
+    on = (k0 + starts + i < K) if VALUE_MASK else (k0 + starts < K)
+    if STEP < QK:
+        offset = k0 % QK + starts          # the step is part of one block
+    else:
+        offset = starts                    # the step is whole blocks: k0 is a block's first value
+    blk = row_ptrs + (k0 // QK) * TYPE_SIZE + (offset // QK) * TYPE_SIZE
+    return _decode(blk, (offset % QK) // 32, (starts // 16) % 2, i, on, TYPE)
+
+
+@triton.jit
+def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
+                     TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
+    """Program (n tile, group): all rows of a group of at most BLOCK_M times BLOCK_N weight rows.
+
+    Memory-bound at one row: the program walks the rows HALVES*16 values at a time (several blocks'
+    bytes in flight at once) and keeps one float32 accumulator per (row, weight row, value of the step),
+    updated by fused multiply-adds, so the loop has no reductions; the step's lanes are summed once at
+    the end. Tiles are [BLOCK_M, BLOCK_N, HALVES, 16]: weights [1, BLOCK_N, ...], activations read in
+    the full shape (at one row, the weight tile's own shape: the compiler gives memory accesses of one
+    shape the widest access among them, so both are laid out alike, consecutive values a thread, and
+    nothing moves through shared memory between them)."""
+    g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
+    a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
+    b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
+    rows = a + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the last tile's columns past N repeat row N-1 (read, never stored): the loads need no column mask
+    weight_rows = (raw_ptr + g * raw_stride
+                   + tl.minimum(cols, N - 1).to(tl.int64)[None, :, None, None] * row_bytes)  # [1, BN, 1, 1]
+    starts = 16 * tl.arange(0, HALVES)[None, None, :, None]
+    i = tl.arange(0, 16)[None, None, None, :]
+    x_ptrs = tl.broadcast_to(x_ptr + rows.to(tl.int64)[:, None, None, None] * x_stride + starts + i,
+                             (BLOCK_M, BLOCK_N, HALVES, 16))
+    row_on = (rows < b)[:, None, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, HALVES, 16), dtype=tl.float32)
+    # unrolled, the next step's weight loads are issued before this step's arithmetic: twice the bytes in
+    # flight for a few more registers
+    for k0 in tl.range(0, K, 16 * HALVES, loop_unroll_factor=UNROLL):
+        w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 16 * HALVES, VALUE_MASK)
+        on = (k0 + starts + i < K) if VALUE_MASK else (k0 + starts < K)
+        xs = tl.load(x_ptrs + k0, mask=row_on & on, other=0.0)
+        acc = tl.fma(xs, w, acc)
+    total = tl.sum(tl.sum(acc, axis=3), axis=2)          # 16 values of a half-piece, then the half-pieces
+    out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out, total, mask=(rows < b)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _many_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
+                      TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, VALUE_MASK: tl.constexpr):
+    """Program (n tile, group, m tile): BLOCK_M rows of the group times BLOCK_N weight rows, 32 values at
+    a time through tl.dot tiles in IEEE float32."""
     g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
     a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
     b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
     rows = a + tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < b, cols < N
     if a + tl.program_id(2) * BLOCK_M < b:
-        weight_rows = raw_ptr + g * raw_stride + cols.to(tl.int64)[:, None] * row_bytes      # [BLOCK_N, 1]
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride                                # [BLOCK_M, 1]
+        weight_rows = raw_ptr + g * raw_stride + tl.minimum(cols, N - 1).to(tl.int64)[:, None, None] * row_bytes
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+        starts = 16 * tl.arange(0, 2)[None, :, None]
+        i = tl.arange(0, 16)[None, None, :]
         j = tl.arange(0, 32)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, 32):
-            w = _decode(weight_rows + (k0 // QK) * TYPE_SIZE, (k0 % QK) // 32, col_mask[:, None], K - k0, TYPE)
-            xs = tl.load(x_rows + k0 + j, mask=row_mask[:, None] & (k0 + j < K), other=0.0)
-            if DOT:
-                acc += tl.dot(xs, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+            w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 32, VALUE_MASK)
+            xs = tl.load(x_rows + k0 + j, mask=(rows < b)[:, None] & (k0 + j < K), other=0.0)
+            acc += tl.dot(xs, tl.trans(tl.reshape(w, (BLOCK_N, 32))), input_precision="ieee")
         out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
-        tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(out, acc, mask=(rows < b)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -162,11 +239,12 @@ def _dequantize_kernel(raw_ptr, row_bytes, ids_ptr, out_ptr, n, K,
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = r < n
     ids = tl.load(ids_ptr + r, mask=row_mask, other=0)
-    k0 = tl.program_id(1) * 32
-    blk = raw_ptr + ids[:, None] * row_bytes + (k0 // QK) * TYPE_SIZE
-    x = _decode(blk, (k0 % QK) // 32, row_mask[:, None], K - k0, TYPE)
-    j = tl.arange(0, 32)[None, :]
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * K + k0 + j, x, mask=row_mask[:, None] & (k0 + j < K))
+    k = tl.program_id(1) * 32 + 16 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    mask = row_mask[:, None, None] & (k < K)
+    start = tl.program_id(1) * 32 + 16 * tl.arange(0, 2)[None, :, None]
+    blk = raw_ptr + ids[:, None, None] * row_bytes + (start // QK) * TYPE_SIZE
+    x = _decode(blk, (start % QK) // 32, (start // 16) % 2, tl.arange(0, 16)[None, None, :], mask, TYPE)
+    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * K + k, x, mask=mask)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -197,24 +275,7 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int,
                     groups: list[tuple[int, int, int]], out: torch.Tensor) -> torch.Tensor:
     """For each (g, a, b): out[a:b] = x[a:b] @ deq(raw[g]).T. x float32 [M, k], raw uint8 [G, N, row_bytes],
     out float32 [M, N] (last dimensions contiguous). Rows outside every group are left alone."""
-    _check_raw(raw, ggml_type, k, 3)
-    _check_matrix(x, "x", None, k)
-    g_count, n, m = raw.shape[0], raw.shape[1], x.shape[0]
-    _check_matrix(out, "out", m, n)
-    check_device(x, raw, out)
-    for g, a, b in groups:
-        if not (0 <= g < g_count and 0 <= a <= b <= m):
-            raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
-    few = [grp for grp in groups if 0 < grp[2] - grp[1] <= FEW_ROWS]
-    many = [grp for grp in groups if grp[2] - grp[1] > FEW_ROWS]
-    if few and n:
-        longest = max(b - a for _, a, b in few)
-        block_m = triton.next_power_of_2(longest)
-        # the multiply-and-sum tile is block_m x block_n x 32 values: keep it within a few thousand registers
-        _launch(x, raw, ggml_type, k, few, out, block_m, 32 if block_m <= 4 else 16, dot=False)
-    if many and n:
-        _launch(x, raw, ggml_type, k, many, out, 32, 32, dot=True)
-    return out
+    return prepare_grouped_product(x, raw, ggml_type, k, groups, out)()
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor) -> torch.Tensor:
@@ -223,11 +284,59 @@ def linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torc
     return grouped_product(x, raw[None], ggml_type, k, [(0, 0, x.shape[0])], out)
 
 
+def prepare_grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int,
+                            groups: list[tuple[int, int, int]], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """grouped_product's checks and group tables now; the returned function only launches the kernels
+    (at most two: every few-row group in one, every many-row group in the other), so a caller can
+    replay it, or capture it in a CUDA graph, without the host work."""
+    _check_raw(raw, ggml_type, k, 3)
+    _check_matrix(x, "x", None, k)
+    g_count, n, m = raw.shape[0], raw.shape[1], x.shape[0]
+    _check_matrix(out, "out", m, n)
+    check_device(x, raw, out)
+    for g, a, b in groups:
+        if not (0 <= g < g_count and 0 <= a <= b <= m):
+            raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
+    args = _options(ggml_type, k)
+    launches = []
+    few = [grp for grp in groups if 0 < grp[2] - grp[1] <= FEW_ROWS]
+    many = [grp for grp in groups if grp[2] - grp[1] > FEW_ROWS]
+    if few and n:
+        block_m = triton.next_power_of_2(max(b - a for _, a, b in few))
+        block_n, options = _few_rows_options(args, block_m)
+        launches.append((_few_rows_kernel, (triton.cdiv(n, block_n), len(few)), _table(few, x.device), options))
+    if many and n:
+        m_tiles = triton.cdiv(max(b - a for _, a, b in many), 32)
+        launches.append((_many_rows_kernel, (triton.cdiv(n, 32), len(many), m_tiles), _table(many, x.device),
+                         dict(args, BLOCK_M=32, BLOCK_N=32)))
+
+    def run() -> torch.Tensor:
+        for kernel, grid, table, options in launches:
+            kernel[grid](x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out, out.stride(0), n, k, **options)
+        return out
+    return run
+
+
+def _options(ggml_type: int, k: int) -> dict:
+    qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    return {"TYPE": int(ggml_type), "QK": qk, "TYPE_SIZE": type_size, "VALUE_MASK": k % 16 != 0,
+            "enable_fp_fusion": False}        # decode as dequantize_rows does; the products use tl.fma
+
+
+def _few_rows_options(args: dict, block_m: int) -> tuple[int, dict]:
+    block_n, halves, warps, unroll = FEW_TILES[block_m]
+    return block_n, dict(args, BLOCK_M=block_m, BLOCK_N=block_n, HALVES=halves, UNROLL=unroll, num_warps=warps)
+
+
+def _table(groups, device) -> torch.Tensor:
+    return torch.tensor(groups, dtype=torch.int64, device=device)
+
+
 def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, experts: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """out[i] = x[i] @ deq(raw[experts[i]]).T for every row i: experts int64 [M] stays on the device, so
     routed tokens need no sorting on the host (no synchronisation: decode's few tokens). Ids must be
-    in range (the router's top-k are)."""
+    in range (the router's top-k are). One few-row launch with a one-row group per slot."""
     _check_raw(raw, ggml_type, k, 3)
     _check_matrix(x, "x", None, k)
     m, n = x.shape[0], raw.shape[1]
@@ -236,21 +345,10 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
     if m and n:
         rows = torch.arange(m, device=x.device)
         table = torch.stack((experts.reshape(-1).to(torch.int64), rows, rows + 1), 1).contiguous()
-        qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
-        _product_kernel[(triton.cdiv(n, 32), m, 1)](
-            x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out, out.stride(0), n, k, TYPE=int(ggml_type),
-            QK=qk, TYPE_SIZE=type_size, BLOCK_M=1, BLOCK_N=32, DOT=False)
+        block_n, options = _few_rows_options(_options(ggml_type, k), 1)
+        _few_rows_kernel[(triton.cdiv(n, block_n), m)](x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out,
+                                                       out.stride(0), n, k, **options)
     return out
-
-
-def _launch(x, raw, ggml_type, k, groups, out, block_m, block_n, dot):
-    qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
-    table = torch.tensor(groups, dtype=torch.int64, device=x.device)
-    m_tiles = triton.cdiv(max(b - a for _, a, b in groups), block_m)
-    grid = (triton.cdiv(raw.shape[1], block_n), len(groups), m_tiles)
-    _product_kernel[grid](x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out, out.stride(0), raw.shape[1], k,
-                          TYPE=int(ggml_type), QK=qk, TYPE_SIZE=type_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                          DOT=dot)
 
 
 def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:

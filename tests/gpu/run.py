@@ -6,8 +6,9 @@
 1. Every Triton kernel (kernels/triton) compiled for the GPU and compared with the CPU kernels, in the
    cases and bounds of tests/triton_cases.py (the CI runs the same cases in Triton's interpreter), and
    again at the models' head sizes (MODEL_SIZE_CASES, too slow for the interpreter).
-2. Batch-1 products straight from GGML blocks on a 4096 x 4096 weight per type: time per call and the
-   weight bytes read per second, against the device's peak bandwidth when it is known.
+2. Batch-1 products straight from GGML blocks on a 4096 x 4096 weight per type, MoE decode at two
+   models' expert shapes and a few one-row tile choices: time per call and the weight bytes read per
+   second, against the device's peak bandwidth when it is known.
 3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
    against PP=1; PP=2 with the second stage in another process, activations through CUDA IPC
    (cluster/cuda_ipc.py); then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,7 +65,55 @@ def check_kernels() -> int:
     return failures
 
 
+def _seconds_per_call(calls) -> float:
+    """Mean time of the launches `calls` (functions of no arguments), replayed from one CUDA graph so that
+    no host work sits between kernels (a batch-1 product takes microseconds, less than the Python around
+    a launch); plain back-to-back launches if the capture fails."""
+    for call in calls:                                # compile, and reach the steady state
+        call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        replay = graph.replay
+    except Exception as e:       # noqa: BLE001 - the timing must still come out
+        print(f"    (CUDA graph capture failed, {type(e).__name__}: {e}; timing plain launches)")
+        torch.cuda.synchronize()
+
+        def replay():
+            for call in calls:
+                call()
+    replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / 1000 / 5 / len(calls)
+
+
+def _distinct_copies(raw: torch.Tensor, total_bytes: int) -> torch.Tensor:
+    """[copies, *raw.shape] on the GPU, at least total_bytes together: calls that cycle through them read
+    from HBM, not from the 50 MB L2 that one copy of a small weight would stay in."""
+    copies = max(1, -(-total_bytes // raw.numel()))
+    return raw.cuda()[None].repeat(copies, *([1] * raw.dim()))
+
+
+def _report(label: str, seconds: float, nbytes: int, peak) -> None:
+    rate = nbytes / seconds / 1e9
+    print(f"  {label:>34}: {seconds * 1e6:8.1f} us  {rate:7.1f} GB/s" + (f"  {rate / peak:6.1%} of peak" if peak else ""),
+          flush=True)
+
+
 def bandwidth() -> None:
+    """Batch-1 products on a 4096 x 4096 weight per type, MoE decode (one launch over the chosen experts,
+    one row each) at gpt-oss-20b's and Qwen3.5-35B-A3B's expert shapes, and a few tile choices for
+    the one-row products (blocks.FEW_TILES[1]) to tune from. GB/s: weight bytes read (for MoE, the chosen
+    experts' only) per second. Each call reads weights no earlier call left in L2."""
     import numpy as np
     from gguf import GGMLQuantizationType as T
     from triton_cases import random_blocks
@@ -72,47 +122,54 @@ def bandwidth() -> None:
 
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_GB_S.items() if k in name), None)
-    print(f"batch-1 block products, 4096 x 4096 weight, on {name}"
-          + (f" (peak {peak:.0f} GB/s)" if peak else ""))
+    print(f"batch-1 block products, 4096 x 4096 weight, on {name}" + (f" (peak {peak:.0f} GB/s)" if peak else ""))
     rng = np.random.default_rng(0)
     n = k = 4096
     x = torch.randn(1, k, device="cuda")
     out = torch.empty(1, n, device="cuda")
+    weights = {}
     for t in (T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K, T.Q3_K, T.Q2_K, T.MXFP4):
-        raw = random_blocks(rng, t, n, k).cuda()
-        blocks.linear(x, raw, t, k, out)              # compile
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            blocks.linear(x, raw, t, k, out)
-        stop.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(stop) / 1000 / 20
-        rate = raw.numel() / seconds / 1e9
-        print(f"  {t.name:>6}: {seconds * 1e6:8.1f} us  {rate:7.1f} GB/s" + (f"  {rate / peak:6.1%} of peak" if peak else ""))
+        weights[t] = raw = _distinct_copies(random_blocks(rng, t, n, k), 512 << 20)
+        calls = [blocks.prepare_grouped_product(x, raw[c][None], t, k, [(0, 0, 1)], out) for c in range(len(raw))]
+        _report(t.name, _seconds_per_call(calls), raw[0].numel(), peak)
 
+    print("MoE decode: one launch over the chosen experts' weights, one row each")
+    moe_cases = [("gpt-oss-20b gate_up 32 x [5760, 2880]", T.MXFP4, 32, 5760, 2880, 4),
+                 ("gpt-oss-20b down 32 x [2880, 2880]", T.MXFP4, 32, 2880, 2880, 4),
+                 ("Qwen3.5-35B-A3B gate_up 256 x [1024, 2048]", T.Q4_K, 256, 1024, 2048, 8),
+                 ("Qwen3.5-35B-A3B down 256 x [2048, 512]", T.Q4_K, 256, 2048, 512, 8)]
+    for label, t, experts, n, k, chosen in moe_cases:
+        # 4 distinct experts' bytes, repeated at their own addresses up to every expert
+        few = random_blocks(rng, t, 4 * n, k).reshape(4, n, -1).cuda()
+        raw = few.repeat(experts // 4, 1, 1)
+        x = torch.randn(chosen, k, device="cuda")
+        out = torch.empty(chosen, n, device="cuda")
+        draws = [rng.choice(experts, chosen, replace=False) for _ in range(16)]
+        calls = [blocks.prepare_grouped_product(x, raw, t, k, [(int(e), r, r + 1) for r, e in enumerate(d)], out)
+                 for d in draws]
+        _report(f"{label}, {chosen} of them", _seconds_per_call(calls), chosen * raw[0].numel(), peak)
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.uint8: "*u8",
-                 torch.int32: "*i32", torch.int64: "*i64"}
-
-
-def _argument_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+    print("one-row tiles (weight rows a program, 16-value half-pieces a step, warps, unrolled), 4096 x 4096:")
+    default = blocks.FEW_TILES[1]
+    x, out = torch.randn(1, 4096, device="cuda"), torch.empty(1, 4096, device="cuda")
+    try:
+        for tile in ((4, 32, 8, 2), (4, 32, 8, 1), (4, 32, 4, 2), (4, 32, 4, 1), (2, 32, 4, 2), (8, 32, 8, 2)):
+            blocks.FEW_TILES[1] = tile
+            for t in (T.BF16, T.Q4_K, T.Q6_K, T.MXFP4):
+                raw = weights[t]
+                calls = [blocks.prepare_grouped_product(x, raw[c][None], t, 4096, [(0, 0, 1)], out)
+                         for c in range(len(raw))]
+                _report(f"{t.name} {tile}", _seconds_per_call(calls), raw[0].numel(), peak)
+    finally:
+        blocks.FEW_TILES[1] = default
 
 
 def record_launches(path: str) -> None:
     """(In the interpreter) run every case on CPU tensors, writing each distinct kernel launch's
     module, kernel, argument types, constants and options to `path` as JSON. The model-size cases are
     too slow for the interpreter: their launches are recorded but not run, and their comparisons skipped."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
 
     import triton_cases
@@ -124,10 +181,20 @@ def record_launches(path: str) -> None:
         names = self.arg_names
         constants = {k: v for k, v in kwargs.items() if k in names}
         options = {k: v for k, v in kwargs.items() if k not in names}
-        signature = {name: _argument_type(value) for name, value in zip(names, args)}
+        # specialised as the JIT does: ints equal to 1 become constants, pointers and ints that are
+        # multiples of 16 are marked so (the compiler vectorises loads from what it knows of alignment)
+        signature, aligned = {}, []
+        for index, (name, value) in enumerate(zip(names, args)):
+            kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+            if kind == "constexpr":
+                constants[name] = value
+            else:
+                signature[name] = kind
+                if key == "D":
+                    aligned.append(index)
         signature.update({name: "constexpr" for name in constants})
         entry = {"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": signature,
-                 "constants": constants, "options": options}
+                 "constants": constants, "options": options, "aligned": aligned}
         seen[json.dumps(entry, sort_keys=True)] = entry
         return run(self, *args, grid=grid, warmup=warmup, **kwargs) if execute else None
 
@@ -152,28 +219,60 @@ def compile_only(arch: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "launches.json")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--record", path], env=env, check=True)
-        with open(path) as f:
-            launches = json.load(f)
-    print(f"compiling {len(launches)} kernel variants for sm_{arch}:")
-    failures = 0
+    tmp = tempfile.mkdtemp()
+    path = os.path.join(tmp, "launches.json")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--record", path], env=env, check=True)
+    with open(path) as f:
+        launches = json.load(f)
+    print(f"compiling {len(launches)} kernel variants for sm_{arch} (registers a thread, spilled bytes: LOCAL):")
+    failures = spills = 0
     for entry in launches:
         fn = getattr(importlib.import_module(entry["module"]), entry["kernel"])
         label = f"{entry['kernel']} {entry['constants']}"
         start = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(fn, entry["signature"], entry["constants"]),
+            attrs = {(index,): [["tt.divisibility", 16]] for index in entry["aligned"]}
+            compiled = triton.compile(ASTSource(fn, entry["signature"], entry["constants"], attrs),
                                       target=GPUTarget("cuda", arch, 32), options=entry["options"])
-            print(f"  ok    {label} ({time.perf_counter() - start:.1f} s, {len(compiled.asm['cubin'])} B cubin)",
-                  flush=True)
+            usage = _resource_usage(compiled.asm["cubin"], tmp)
+            print(f"  ok    {label} ({time.perf_counter() - start:.1f} s, {len(compiled.asm['cubin'])} B cubin, "
+                  f"{usage}, {compiled.metadata.shared} B shared)", flush=True)
+            if "LOCAL:0" not in usage:
+                spills += 1
         except Exception as e:
             failures += 1
             print(f"  FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    shutil.rmtree(tmp)
     print(f"{failures} variant(s) failed to compile" if failures else "every variant compiled")
+    if spills:
+        print(f"{spills} variant(s) spill registers to local memory")
     return 1 if failures else 0
+
+
+def _resource_usage(cubin: bytes, tmp: str) -> str:
+    """REG (registers a thread) and LOCAL (bytes spilled a thread) of the kernel in a cubin, as the
+    cuobjdump in the triton wheel reads them."""
+    import re
+
+    import triton
+
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=False).stdout
+    return " ".join(re.findall(r"(REG:\d+|LOCAL:\d+)", text)) or "no resource usage"
+
+
+def _timings(measure) -> int:
+    """Run a measurement; an error in it is printed and counts as no failure (it checks nothing)."""
+    try:
+        measure()
+    except Exception:      # noqa: BLE001 - the checks' verdict still comes out
+        traceback.print_exc()
+        print("the timings stopped early (above); they are no check")
+    return 0
 
 
 def main() -> int:
@@ -201,7 +300,7 @@ def main() -> int:
     peak = next((v for k, v in PEAK_GB_S.items() if k in name), None)
     sections = {
         "kernels": ("Triton kernels against the CPU kernels", check_kernels),
-        "bandwidth": ("block products", lambda: bandwidth() or 0),
+        "bandwidth": ("block products (timings: no check)", lambda: _timings(bandwidth)),
         "outputs": ("models on the GPU against the CPU", models.outputs),
         "ipc": ("PP=2 across processes through CUDA IPC", models.ipc),
         "decode": ("full-size synthetic models", lambda: sum(models.decode(m, peak, args.folder)
