@@ -14,7 +14,8 @@
    (cluster/cuda_ipc.py); then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
    batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
 
-    --sections kernels,bandwidth,outputs,ipc,decode   (default: all)   --decode-models gpt-oss-20b,qwen3.5-35b-a3b
+    --sections kernels,bandwidth,outputs,ipc,decode   (default: all; decode:MODEL for one model)
+    --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
 Without CUDA it says so and exits 0. Exit status 1 when a case fails.
 
@@ -308,7 +309,10 @@ def main() -> int:
     }
     failures = 0
     for key in args.sections.split(","):
-        title, run = sections[key]
+        if key.startswith("decode:"):       # one model's decode, e.g. decode:gpt-oss-20b
+            title, run = f"full-size synthetic {key[7:]}", lambda m=key[7:]: models.decode(m, peak, args.folder)
+        else:
+            title, run = sections[key]
         print(f"== {title}", flush=True)
         start = time.perf_counter()
         try:
