@@ -124,7 +124,7 @@ class ClusterEngine:
         spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=pp,
                             ep=ep, dtype=dtype, transport=transport, placement=placement, split=split,
                             threads=threads or default_threads(), max_model_len=max_model_len,
-                            name=f"raymoe-{uuid.uuid4().hex[:8]}")
+                            max_batch_tokens=max_batch_tokens, name=f"raymoe-{uuid.uuid4().hex[:8]}")
         try:
             spec.validate()
         except ValueError as e:

@@ -6,21 +6,31 @@ Transports (outputs never depend on the choice):
   Ray moves the tensor through its object store (shared memory on one node, works across nodes).
 - `gloo`: stages exchange activations with torch.distributed send/recv over a gloo group; the
   coordinator only sends each stage the batch description.
+- `shm`: stages on one node; each stage writes its activations into a ring of preallocated shared-memory
+  slots that the next stage reads (cluster/shm.py); the coordinator only sends batch descriptions. A
+  pipeline whose stages Ray placed on more than one node is refused with a one-line error, not run
+  over another transport.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import ray
+from ray.util import placement_group_table
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kernels.native import blas_has_own_threads
 from stages.engine import split_layers
+from stages.errors import RaymoeError
 
 from .actors import ExpertActor, StageActor
+from .shm import SHM_DIR
 
-TRANSPORTS = ("object_store", "gloo")
+RING_PREFIX = "raymoe-ring-"     # the shm transport's names in /dev/shm (there only while a pipeline connects)
+
+TRANSPORTS = ("object_store", "gloo", "shm")
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
@@ -41,6 +51,7 @@ class PipelineSpec:
     max_model_len: int | None = None
     name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
     stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
+    max_batch_tokens: int = 512              # the most tokens of one step (sizes the shm transport's slots)
 
     def validate(self):
         if self.transport not in TRANSPORTS:
@@ -63,12 +74,23 @@ class Pipeline:
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (spec.pp * spec.ep)
         self.pg = placement_group(bundles, strategy=PLACEMENTS[spec.placement])
         ray.get(self.pg.ready(), timeout=120)
+        if spec.transport == "shm":
+            self._check_one_node()
         self.stages: list = [None] * spec.pp
         self.experts: list[list] = [[] for _ in range(spec.pp)]
         self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
         for i in range(spec.pp):
             self._start_stage(i, spec.name and f"{spec.name}-stage{i}")
         self._connect()
+
+    def _check_one_node(self):
+        nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        n = len({nodes[i] for i in range(self.spec.pp)})
+        if n > 1:
+            remove_placement_group(self.pg)
+            raise RaymoeError(f"--transport shm needs every stage on one node, and Ray placed the {self.spec.pp} "
+                              f"stages on {n} nodes: use --transport gloo across nodes (or --placement pack with "
+                              f"{self.spec.pp} free CPUs on one node)")
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
@@ -99,17 +121,34 @@ class Pipeline:
         self.loading[i] = self.stages[i].load.remote()
 
     def _connect(self):
-        """Wait for every actor to load; join the process group for the gloo transport."""
+        """Wait for every actor to load; join the process group for the gloo transport, make the rings for shm."""
         ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
         self.loading.clear()
         if self.spec.transport == "gloo":
             address = ray.get(self.stages[0].rendezvous_address.remote())
             ray.get([a.join_group.remote(address, rank, len(self.stages)) for rank, a in enumerate(self.stages)])
+        if self.spec.transport == "shm":
+            self._connect_rings()
+
+    def _connect_rings(self):
+        """A fresh ring per edge (after a restart too): the receiving stage creates it, the sending stage opens
+        and unlinks it (cluster/shm.py), so nothing is left in /dev/shm however the stages end."""
+        ray.get([a.shm_close.remote() for a in self.stages])
+        prefix = f"{SHM_DIR}/{RING_PREFIX}{uuid.uuid4().hex[:8]}"
+        edges = [(self.stages[i], self.stages[i + 1], f"{prefix}-{i}") for i in range(len(self.stages) - 1)]
+        try:
+            sizes = ray.get([b.shm_create.remote(path, self.spec.max_batch_tokens) for _, b, path in edges])
+            ray.get([a.shm_attach.remote(path, size) for (a, _, path), size in zip(edges, sizes)])
+        finally:    # names a failed setup left (a no-op after a good one)
+            refs = [b.shm_unlink.remote(path) for _, b, path in edges]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
 
     def submit(self, batch) -> list:
         """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
         if self.spec.transport == "gloo":
             return [a.forward_p2p.remote(batch) for a in self.stages]
+        if self.spec.transport == "shm":
+            return [a.forward_shm.remote(batch) for a in self.stages]
         refs, ref = [], None
         for a in self.stages:
             ref = a.forward.remote(batch, ref)
@@ -122,7 +161,9 @@ class Pipeline:
 
     def restart(self):
         """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
-        every stage's caches; the caller recomputes the sequences in flight."""
+        every stage's caches; the caller recomputes the sequences in flight. With shm a survivor is never
+        stuck: a ring whose other end died reads EOF, so its pending steps fail at once; every ring is then
+        made anew."""
         if self.spec.transport == "gloo":     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:

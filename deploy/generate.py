@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="a pipeline's stages on as few nodes as possible, or on different nodes")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
     p.add_argument("--ep", type=int, default=0, help="expert actors per stage (0: experts run in the stage)")
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"],
+    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo", "shm"],
                    help="how activations move between stages")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 3,5 (default: even)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batch groups (>= --pp)")

@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="a mode to compare every mode with (KL divergence, top-1 agreement, delta perplexity); "
                         "float32 is the exact one")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one Ray actor each (at most the layer count)")
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
+    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo", "shm"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / 4)")
     p.add_argument("--batch", type=int, default=512,
                    help="tokens per forward step: a longer chunk runs as several steps. The approximate modes' "
@@ -152,7 +152,7 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
 
     spec = PipelineSpec(model_path=path, n_layers=files.n_layers, n_experts=files.config.n_expert, pp=args.pp,
                         dtype=mode, transport=args.transport, threads=args.threads or default_threads(),
-                        max_model_len=args.ctx)
+                        max_model_len=args.ctx, max_batch_tokens=args.batch)
     try:
         spec.validate()
     except ValueError as e:

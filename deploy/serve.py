@@ -450,7 +450,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "int8"],
                    help="as for deploy.generate: auto computes in the file's format, float32 is exact")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo"])
+    p.add_argument("--transport", default="object_store", choices=["object_store", "gloo", "shm"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per actor")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batch groups (>= --pp; default --pp: the fewest, largest batches; deploy.generate's 4 "
