@@ -17,6 +17,8 @@ from stages.loader import open_model
 from stages.memory import stage_need
 from stages.stage import Stage, StageWeights
 
+from .shm import SLOTS, Ring, unlink
+
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -82,6 +84,7 @@ class StageActor:
         """args: the pipeline's resolved EngineArgs."""
         self.args, self.layers, self.expert_actors = args, range(*layers), expert_actors
         self.stage = self.group = None
+        self.ring_in = self.ring_out = None         # shm transport: rings from the previous / to the next stage
         self.loaded = (0, 0)
 
     def load(self) -> int:
@@ -153,6 +156,42 @@ class StageActor:
             dist.send(out.to(self.wire).contiguous().view(torch.uint8), dst=rank + 1)
             return None
         return out
+
+    # shared-memory ring transport (stages on one node; cluster/shm.py)
+    def shm_create(self, path: str, max_tokens: int) -> int:
+        """The ring from the previous stage, sized for max_tokens activations; returns its slot bytes."""
+        slot_bytes = max_tokens * self.hidden_size * 4
+        self.ring_in = Ring.create(path, SLOTS, slot_bytes)
+        return slot_bytes
+
+    def shm_attach(self, path: str, slot_bytes: int):
+        """The ring to the next stage, which created it."""
+        self.ring_out = Ring.attach(path, SLOTS, slot_bytes)
+
+    def shm_unlink(self, path: str):
+        unlink(path)
+
+    def shm_close(self):
+        for ring in (self.ring_in, self.ring_out):
+            if ring is not None:
+                ring.close()
+        self.ring_in = self.ring_out = None
+
+    def forward_shm(self, batch):
+        """Read the previous stage's hidden states from its ring, run the layers, write them to the next
+        stage's ring; the last stage returns the sampled tokens. A failure here is passed down the rings, so
+        that the later stages fail this step too instead of waiting."""
+        try:
+            hidden = self.ring_in.recv() if self.ring_in else None
+            out = self.stage.forward(batch, hidden)
+            if self.ring_out is None:
+                return out
+            self.ring_out.send(out)
+            return None
+        except BaseException as e:
+            if self.ring_out:
+                self.ring_out.send_failure(isinstance(e, MemoryError))
+            raise
 
     def release(self, seq_ids: list[int]):
         for sid in seq_ids:

@@ -8,25 +8,35 @@ Transports (outputs never depend on the choice):
   coordinator only sends each stage the batch description. GPU stages stage through the host.
 - `nccl` (GPU stages): the same send/recv over an NCCL group, device to device. torch.distributed
   rather than ray.util.collective: one code path with gloo, and no CuPy dependency.
+- `shm`: stages on one node; each stage writes its activations into a ring of preallocated shared-memory
+  slots that the next stage reads (cluster/shm.py); the coordinator only sends batch descriptions. A
+  pipeline whose stages Ray placed on more than one node is refused with a one-line error, not run
+  over another transport.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
+from ray.util import placement_group_table
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kernels.threads import process_env
 from stages.engine import split_layers
+from stages.errors import RaymoeError
 
 from .actors import ExpertActor, StageActor
+from .shm import SHM_DIR
 
 if TYPE_CHECKING:
     from .engine_args import EngineArgs
 
-TRANSPORTS = ("object_store", "gloo", "nccl")
+RING_PREFIX = "raymoe-ring-"     # the shm transport's names in /dev/shm (there only while a pipeline connects)
+
+TRANSPORTS = ("object_store", "gloo", "nccl", "shm")
 P2P = ("gloo", "nccl")      # torch.distributed point-to-point transports
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
@@ -57,12 +67,23 @@ class Pipeline:
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (args.pp * args.ep)
         self.pg = placement_group(bundles, strategy=PLACEMENTS[args.placement])
         ray.get(self.pg.ready(), timeout=120)
+        if args.transport == "shm":
+            self._check_one_node()
         self.stages: list = [None] * args.pp
         self.experts: list[list] = [[] for _ in range(args.pp)]
         self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
         for i in range(args.pp):
             self._start_stage(i, spec.name and f"{spec.name}-stage{i}")
         self._connect()
+
+    def _check_one_node(self):
+        nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        n = len({nodes[i] for i in range(self.args.pp)})
+        if n > 1:
+            remove_placement_group(self.pg)
+            raise RaymoeError(f"--transport shm needs every stage on one node, and Ray placed the {self.args.pp} "
+                              f"stages on {n} nodes: use --transport gloo across nodes (or --placement pack with "
+                              f"{self.args.pp} free CPUs on one node)")
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
@@ -88,18 +109,35 @@ class Pipeline:
         self.loading[i] = self.stages[i].load.remote()
 
     def _connect(self):
-        """Wait for every actor to load; join the process group for the gloo transport."""
+        """Wait for every actor to load; join the process group for the gloo transport, make the rings for shm."""
         ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
         self.loading.clear()
         if self.args.transport in P2P:
             address = ray.get(self.stages[0].rendezvous_address.remote())
             ray.get([a.join_group.remote(address, rank, len(self.stages), self.args.transport)
                      for rank, a in enumerate(self.stages)])
+        if self.args.transport == "shm":
+            self._connect_rings()
+
+    def _connect_rings(self):
+        """A fresh ring per edge (after a restart too): the receiving stage creates it, the sending stage opens
+        and unlinks it (cluster/shm.py), so nothing is left in /dev/shm however the stages end."""
+        ray.get([a.shm_close.remote() for a in self.stages])
+        prefix = f"{SHM_DIR}/{RING_PREFIX}{uuid.uuid4().hex[:8]}"
+        edges = [(self.stages[i], self.stages[i + 1], f"{prefix}-{i}") for i in range(len(self.stages) - 1)]
+        try:
+            sizes = ray.get([b.shm_create.remote(path, self.args.max_batch_tokens) for _, b, path in edges])
+            ray.get([a.shm_attach.remote(path, size) for (a, _, path), size in zip(edges, sizes)])
+        finally:    # names a failed setup left (a no-op after a good one)
+            refs = [b.shm_unlink.remote(path) for _, b, path in edges]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
 
     def submit(self, batch) -> list:
         """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
         if self.args.transport in P2P:
             return [a.forward_p2p.remote(batch) for a in self.stages]
+        if self.args.transport == "shm":
+            return [a.forward_shm.remote(batch) for a in self.stages]
         refs, ref = [], None
         for a in self.stages:
             ref = a.forward.remote(batch, ref)
@@ -112,7 +150,9 @@ class Pipeline:
 
     def restart(self):
         """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
-        every stage's caches; the caller recomputes the sequences in flight."""
+        every stage's caches; the caller recomputes the sequences in flight. With shm a survivor is never
+        stuck: a ring whose other end died reads EOF, so its pending steps fail at once; every ring is then
+        made anew."""
         if self.args.transport in P2P:     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:

@@ -11,8 +11,9 @@ Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
   llama-cpp-python, if installed: `make bench-deps`) on the same files, and HF transformers;
 - pp: aggregate decode tok/s of PP=1, 2, 4 on the Ray cluster with 16 sequences in flight,
   each stage actor's peak RSS next to its weight bytes;
-- hops: per-hop latency of each transport for a decode- and a prefill-sized activation,
-  next to a memcpy of the same bytes;
+- hops: per-hop latency of each transport (object_store, gloo, shm) for decode-sized (1 and 64
+  rows) and a prefill-sized activation, next to a memcpy of the same bytes; and PP=2 decode tok/s of
+  the embedded tiny-qwen35moe over each transport (1 and 16 sequences);
 - coordinator: the coordinator actor's CPU time per step with 64 running sequences on a
   248k-token vocabulary, greedy and sampled;
 - real (only when named): the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
@@ -493,14 +494,54 @@ def bench_hops(quick: bool) -> dict:
     from cluster.hops import measure_hops
 
     hidden = QWEN_SHAPE["hidden_size"]
-    hops = measure_hops({"decode 1x1024": (1, hidden), "prefill 512x1024": (512, hidden)}, 10 if quick else 30)
-    print("\n== transports: median per-hop time (us), float32 activations")
-    print(f"{'activation':<20}{'bytes':>10}{'memcpy':>10}{'object_store':>14}{'gloo':>10}")
+    shapes = {f"decode 1x{hidden}": (1, hidden), f"decode 64x{hidden}": (64, hidden),
+              f"prefill 512x{hidden}": (512, hidden)}
+    hops = measure_hops(shapes, 10 if quick else 30)
+    print("\n== transports: median per-hop time (us), float32 activations; call: actor calls included, "
+          "oneway: the transfer alone (half a ping-pong)")
+    print(f"{'activation':<20}{'bytes':>10}{'memcpy':>10}{'object_store':>14}{'gloo':>10}{'shm':>10}"
+          f"{'gloo oneway':>13}{'shm oneway':>12}")
     for name, h in hops.items():
         print(f"{name:<20}{h['bytes']:>10}{1000 * h['memcpy_ms']:>10.1f}{1000 * h['object_store_ms']:>14.1f}"
-              f"{1000 * h['gloo_ms']:>10.1f}")
+              f"{1000 * h['gloo_ms']:>10.1f}{1000 * h['shm_ms']:>10.1f}{1000 * h['gloo_oneway_ms']:>13.1f}"
+              f"{1000 * h['shm_oneway_ms']:>12.1f}")
     return {name: {k.replace("_ms", "_us"): (v * 1000 if k.endswith("_ms") else v) for k, v in h.items()}
             for name, h in hops.items()}
+
+
+def bench_transports(quick: bool) -> dict:
+    """End to end: decode tok/s of a PP=2 pipeline of the embedded tiny-qwen35moe (hidden 128, where the hops
+    weigh most) over each transport, for 1 and 16 sequences; medians of 3 runs after a warm-up."""
+    import statistics
+
+    from cluster.engine import ClusterEngine, EngineArgs
+
+    n_tokens = 16 if quick else 64
+    print(f"\n== transports end to end: PP=2, tiny-qwen35moe, decode tok/s ({n_tokens} tokens per sequence)")
+    out = {}
+    for transport in ("object_store", "gloo", "shm"):
+        engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2, threads=1, transport=transport))
+        try:
+            rates = {}
+            for n_seqs in (1, 16):
+                requests = [(i, {"prompt_token_ids": [t % engine.config.vocab for t in random_ids(8, i)],
+                                 "max_tokens": n_tokens,
+                                 "ignore_eos": True, "temperature": 0}) for i in range(n_seqs)]
+                runs = []
+                for _ in range(4):      # a warm-up, then 3 measured
+                    start = time.perf_counter()
+                    engine.submit_many(requests)
+                    done = 0
+                    while done < n_seqs:
+                        done += len(engine.wait_finished(5))
+                    runs.append(n_seqs * n_tokens / (time.perf_counter() - start))
+                rates[f"batch{n_seqs}_tok_s"] = statistics.median(runs[1:])
+            out[transport] = rates
+        finally:
+            engine.shutdown()
+        print(f"{transport:<14}batch 1 {rates['batch1_tok_s']:8.1f} tok/s   "
+              f"16 sequences {rates['batch16_tok_s']:8.1f} tok/s")
+    return out
 
 
 def plot(report: dict, path: str):
@@ -561,6 +602,7 @@ def main(argv=None) -> int:
         report["pp_tok_s"], report["stage_rss_mb"] = bench_pipeline(qwen["f32"], args.quick)
     if "hops" in sections:
         report["hop_us"] = bench_hops(args.quick)
+        report["transport_tok_s"] = bench_transports(args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

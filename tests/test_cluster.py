@@ -1,5 +1,7 @@
 """The Ray cluster: PP=1/2/4 and EP give bit-identical outputs for every transport; each stage
 holds only its share of the weights; a stage killed mid-run is replaced without changing the output."""
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from stages.loader import open_model
 from stages.stage import Stage
 
 MODELS = ["tiny-qwen35moe", "tiny-gptoss"]
-TRANSPORTS = ["object_store", "gloo"]
+TRANSPORTS = ["object_store", "gloo", "shm"]
 CHUNK = 32          # prefill chunk: several prompts below are longer
 
 
@@ -51,8 +53,8 @@ def reference(request):
     return request.param, results, stats
 
 
-@pytest.mark.parametrize("pp, transport", [(1, "gloo"), (2, "object_store"), (2, "gloo"),
-                                           (4, "object_store"), (4, "gloo")])
+@pytest.mark.parametrize("pp, transport", [(1, "gloo"), (2, "object_store"), (2, "gloo"), (2, "shm"),
+                                           (4, "object_store"), (4, "gloo"), (4, "shm")])
 def test_pipeline_degrees_are_bit_identical(reference, pp, transport):
     """The reference is PP=1 over the object store; every other degree and transport equals it."""
     model, expected, _ = reference
@@ -109,6 +111,68 @@ def test_killed_stage_is_replaced_and_output_unchanged(exact_reference, transpor
                 assert (a is None) == (b is None)
                 if a is not None:
                     assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-3
+
+
+def ring_mappings(pid: int) -> list[str]:
+    """The shm transport's rings that process `pid` has mapped (each ends in " (deleted)": unlinked)."""
+    from cluster.pipeline import RING_PREFIX
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split(None, 5)[5].strip() for line in f if RING_PREFIX in line})
+
+
+def gone(pid: int, timeout: float = 60) -> bool:
+    import time
+    deadline = time.time() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.2)
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_shm_rings_leave_nothing_behind(exact_reference):
+    """The rings are unlinked as soon as both stages hold them; a killed stage's ring is dropped by the
+    survivor and replaced; after shutdown no process holds any."""
+    model, expected = exact_reference
+    engine = ClusterEngine(EngineArgs(model, pp=3, transport="shm", dtype="float32", prefill_chunk=CHUNK,
+                                      max_batch_tokens=2 * CHUNK, fault_injection={"stage": 1, "after_steps": 5}))
+    try:
+        pids = [s["pid"] for s in engine.stats()["stages"]]
+        rings = [ring_mappings(pid) for pid in pids]
+        assert len(rings[0]) == 1 and len(rings[1]) == 2 and len(rings[2]) == 1     # one ring per edge
+        assert rings[0] == rings[1][:1] and rings[2] == rings[1][1:]
+        assert all(r.endswith(" (deleted)") for r in rings[1])
+        seq_ids = engine.submit_many(requests(engine.config.vocab))
+        results = {}
+        while len(results) < len(seq_ids):
+            results.update(engine.wait_finished(timeout=5))
+        assert [results[s]["token_ids"] for s in seq_ids] == [r["token_ids"] for r in expected]
+        stats = engine.stats()
+        assert stats["restarts"] == 1
+        now = [s["pid"] for s in stats["stages"]]
+        assert now[0] == pids[0] and now[2] == pids[2] and now[1] != pids[1] and gone(pids[1])
+        fresh = [ring_mappings(pid) for pid in now]
+        assert len(fresh[0]) == 1 and len(fresh[2]) == 1 and not set(fresh[0] + fresh[2]) & set(rings[1])
+        assert all(r.endswith(" (deleted)") for r in fresh[0] + fresh[2])
+    finally:
+        engine.shutdown()
+    assert all(gone(pid) for pid in now)       # the last holders of the rings: the kernel frees them
+    paths = [r.removesuffix(" (deleted)") for r in rings[1] + fresh[0] + fresh[2]]
+    assert not [p + end for p in paths for end in ("", ".full", ".free") if os.path.exists(p + end)]
+
+
+def test_shm_passes_a_failure_down_the_rings(exact_reference):
+    """A stage that runs out of memory tells the next one through its ring, which fails too rather than
+    waiting: the step's sequences get the out-of-memory error, the others go on unchanged."""
+    from cluster.coordinator import OOM_ERROR
+
+    model, expected = exact_reference
+    results, stats = run(model, pp=2, transport="shm", dtype="float32",
+                         fault_injection={"stage": 0, "after_steps": 5, "kind": "oom"})
+    assert stats["restarts"] == 1
+    failed = [r for r in results if "error" in r]
+    assert 0 < len(failed) < len(results) and all(r["error"] == OOM_ERROR for r in failed)
+    for got, want in zip(results, expected):
+        if "error" not in got:
+            assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
 
 
 def test_coordinator_death_fails_with_a_clear_message():

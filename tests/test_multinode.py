@@ -1,6 +1,7 @@
 """Two real Ray nodes on this machine (`ray start --head`, then `ray start --address`), a PP=2 pipeline
-placed with one stage per node (--placement spread), with both transports: the outputs equal one
-node's. Each node is a `ray start --block` in its own process group, stopped by its process id."""
+placed with one stage per node (--placement spread), with the object_store and gloo transports: the outputs
+equal one node's; shm, which needs one node, is refused. Each node is a `ray start --block` in its own
+process group, stopped by its process id."""
 import json
 import os
 import shutil
@@ -114,3 +115,11 @@ def test_pp2_spread_over_two_nodes_equals_one_node(two_nodes, tmp_path):
         assert job.wait() == 0, job.stderr.read()[-3000:]
         assert most == [1, 1], f"{transport}: stage actors per node {most}"
         assert out.read_text() == one_node.read_text(), transport
+    # shared memory cannot cross nodes: a spread pipeline over shm is refused with one line naming the fix
+    job = subprocess.run([sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--pp", "2",
+                          "--placement", "spread", "--transport", "shm", "--input", str(src),
+                          "--output", str(tmp_path / "shm.jsonl")], cwd=ROOT, env={**env, "RAY_ADDRESS": address},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert job.returncode == 2
+    assert ("error: --transport shm needs every stage on one node, and Ray placed the 2 stages on 2 nodes: use "
+            "--transport gloo across nodes") in job.stderr, job.stderr[-3000:]
