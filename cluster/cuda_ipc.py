@@ -9,6 +9,10 @@ CUDA event has to cross the process boundary.
 
 Ray gives each GPU actor only its own device (CUDA_VISIBLE_DEVICES), so IPC applies to stages placed on
 the same GPU; stages on different GPUs use the nccl transport.
+
+Not a `--transport` yet: tests/gpu runs PP=2 across two processes through it. Measured there on an H200
+(two processes time-sharing the GPU), a hop of 1 x 2880 float32 took 0.53 ms against 0.15 ms staged
+through the host, and of 64 x 2880 0.53 against 0.98 ms.
 """
 from __future__ import annotations
 
