@@ -17,19 +17,22 @@ from stages.engine import split_layers
 from stages.loader import DEFAULT_MAX_MODEL_LEN, open_model, resolve_model_path
 from stages.memory import fit_running, stage_need
 
+from . import watchdog
 from .coordinator import STALL_TIMEOUT, Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
 from .pipeline import PipelineSpec
 
 
 _connected_here = False
+_watchdog = None
 
 
 def connect_ray(slots_needed: int):
     """Join the cluster at RAY_ADDRESS when set, else start a local one with enough CPU slots.
     Ray enables token authentication for a new local cluster unless RAY_AUTH_MODE says otherwise
     (the token: ~/.ray/auth_token, generated when missing); its servers listen on every interface,
-    guarded by that token (ray.init turns a loopback node address into the machine's)."""
-    global _connected_here
+    guarded by that token (ray.init turns a loopback node address into the machine's). A local cluster
+    gets a watchdog (cluster/watchdog.py) that stops its processes if this driver is killed."""
+    global _connected_here, _watchdog
     if ray.is_initialized():
         return
     _connected_here = True
@@ -39,6 +42,7 @@ def connect_ray(slots_needed: int):
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES,
                  log_to_driver=False, logging_level="ERROR")
+        _watchdog = watchdog.start()     # stops the cluster's processes should this driver be killed
 
 
 def disconnect_ray():
@@ -56,12 +60,16 @@ OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations an
 
 def plan_memory(files, spec: PipelineSpec, max_running: int | None) -> int:
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
-    bundles' `memory` and returns how many sequences may run (see stages/memory.py)."""
+    bundles' `memory` and the stages' cache budget, and returns how many sequences may run at once (see
+    stages/memory.py). Memory for `running` full-context caches is reserved; without --max-running, when
+    fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING sequences still run as
+    long as their own bounds (prompt + max_tokens) fit the same reservation (admission by memory)."""
     needs = [stage_need(files, r, spec.dtype) for r in split_layers(spec.n_layers, spec.pp, spec.split)]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
     running = fit_running(needs, nodes or [0], max_running or DEFAULT_MAX_RUNNING, explicit=max_running is not None)
     spec.stage_memory = [need.total(running) for need in needs]
-    return running
+    spec.cache_budget = [running * need.cache_bytes_per_sequence for need in needs]
+    return max_running or DEFAULT_MAX_RUNNING
 
 
 def show_loading(ref, spec: PipelineSpec):
