@@ -48,7 +48,8 @@ def out_of_memory(e: ray.exceptions.RayError) -> bool:
     """Whether a failed step ran out of memory: Ray's memory monitor killed the stage (OutOfMemoryError, or an
     actor death whose exit type Ray records as NODE_OUT_OF_MEMORY), or the stage's forward raised an
     allocation failure. An actor killed by the kernel's OOM killer reads as any other crash (Ray's message
-    then names the OOM killer only as one possible cause): it is restarted, within MAX_RESTARTS per RESTART_WINDOW."""
+    then names the OOM killer only as one possible cause): it is restarted, within MAX_RESTARTS per
+    RESTART_WINDOW."""
     if isinstance(e, ray.exceptions.OutOfMemoryError):
         return True
     if isinstance(e, ray.exceptions.RayActorError):
@@ -201,8 +202,9 @@ class Coordinator:
         the share of the fullest stage's cache memory that running sequences hold (admission by memory)."""
         if self.error:
             raise RaymoeError(self.error)
-        budget = self.core.cache_budget
-        cache_used = round(max(u / b if b else 0.0 for u, b in zip(budget.used, budget.budget)), 4) if budget else None
+        budget, cache_used = self.core.cache_budget, None
+        if budget is not None:
+            cache_used = round(max(u / b if b else 0.0 for u, b in zip(budget.used, budget.budget)), 4)
         return {"running": self.core.running(), "waiting": len(self.core.waiting), "queued": self.queued(),
                 "slots": self.core.max_running, "cache_used": cache_used, "max_queued": self.max_queued,
                 "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}

@@ -328,8 +328,9 @@ def client_gone(e: BaseException) -> bool:
     exception group, as anyio task groups raise them)."""
     from ray.exceptions import TaskCancelledError
     from starlette.requests import ClientDisconnect
-    if isinstance(e, BaseExceptionGroup):
-        return all(client_gone(x) for x in e.exceptions)
+    group = getattr(e, "exceptions", None)      # an exception group's members (BaseExceptionGroup, Python >= 3.11)
+    if isinstance(group, tuple) and group:
+        return all(client_gone(x) for x in group)
     return isinstance(e, (TaskCancelledError, ClientDisconnect)) or isinstance(getattr(e, "cause", None),
                                                                                 TaskCancelledError)
 
