@@ -24,13 +24,17 @@ import torch
 from stages.engine import EngineCore
 from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
+from stages.memory import CacheBudget
 from stages.requests import prompt_ids, sampling_params
 from stages.sampling import SamplingParams
 
 from .pipeline import Pipeline, PipelineSpec
 
 log = logging.getLogger("raymoe.coordinator")
+# A pipeline that fails more than MAX_RESTARTS times within RESTART_WINDOW seconds is given up: it
+# cannot work (a stage that dies on every step). Restarts spread over a long life never add up to that.
 MAX_RESTARTS = 5
+RESTART_WINDOW = 600.0
 OOM_ERROR = ("a stage ran out of memory while running this request; lower --max-running or --max-model-len "
              "(or give the stages more memory)")
 
@@ -43,7 +47,8 @@ def out_of_memory(e: ray.exceptions.RayError) -> bool:
     """Whether a failed step ran out of memory: Ray's memory monitor killed the stage (OutOfMemoryError, or an
     actor death whose exit type Ray records as NODE_OUT_OF_MEMORY), or the stage's forward raised an
     allocation failure. An actor killed by the kernel's OOM killer reads as any other crash (Ray's message
-    then names the OOM killer only as one possible cause): it is restarted, within MAX_RESTARTS."""
+    then names the OOM killer only as one possible cause): it is restarted, within MAX_RESTARTS per
+    RESTART_WINDOW."""
     if isinstance(e, ray.exceptions.OutOfMemoryError):
         return True
     if isinstance(e, ray.exceptions.RayActorError):
@@ -59,6 +64,8 @@ class Coordinator:
         model = open_model(args.model, args.max_model_len)
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
                                args.prefill_chunk, args.max_running)
+        if spec.cache_budget is not None:
+            self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget)
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
@@ -70,7 +77,8 @@ class Coordinator:
         self.finished: list[dict] = []
         self.finished_event = asyncio.Event()
         self.fault = dict(args.fault_injection or {})
-        self.steps = self.restarts = 0
+        self.steps = self.restarts = 0                 # restarts: over the coordinator's life (load() shows it)
+        self.recent_restarts: deque[float] = deque()    # when each restart of the last RESTART_WINDOW s happened
         self.stats = {"first_token_s": deque(maxlen=100_000), "started": {}}
         self.max_queued = args.max_queued               # None: unbounded
         self.uncollected: set[int] = set()              # results only streamed, never kept for wait_finished
@@ -131,6 +139,9 @@ class Coordinator:
         return out
 
     async def cancel(self, seq_id: int):
+        self._cancel(seq_id)
+
+    def _cancel(self, seq_id: int):
         seq = self.core.sequences.get(seq_id)
         if seq is None:
             return
@@ -163,15 +174,21 @@ class Coordinator:
         if queue is None:
             raise RequestError(f"unknown sequence {seq_id}")
         self.streaming.add(seq_id)
+        finished = False
         try:
             while True:
                 update = await queue.get()
                 yield update
                 if "finished" in update:
+                    finished = True
                     self.events.pop(seq_id, None)
                     return
         finally:
             self.streaming.discard(seq_id)
+            if not finished and seq_id in self.uncollected:
+                # a server's sequence whose reader went away (Ray cancels this task when the replica's is
+                # cancelled): free it here too, as the replica's own cancel() call may be cancelled with it
+                self._cancel(seq_id)
 
     # ---- load (for a server's metrics and back-pressure) ----------------------------------------
     def queued(self) -> int:
@@ -180,11 +197,15 @@ class Coordinator:
 
     def load(self) -> dict:
         """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack
-        of a slot (what max_queued bounds); slots: how many sequences can hold caches at once."""
+        of a slot (what max_queued bounds); slots: how many sequences can hold caches at once; cache_used:
+        the share of the fullest stage's cache memory that running sequences hold (admission by memory)."""
         if self.error:
             raise RaymoeError(self.error)
+        budget, cache_used = self.core.cache_budget, None
+        if budget is not None:
+            cache_used = round(max(u / b if b else 0.0 for u, b in zip(budget.used, budget.budget)), 4)
         return {"running": self.core.running(), "waiting": len(self.core.waiting), "queued": self.queued(),
-                "slots": self.core.max_running, "max_queued": self.max_queued,
+                "slots": self.core.max_running, "cache_used": cache_used, "max_queued": self.max_queued,
                 "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}
 
     def check_health(self):
@@ -350,8 +371,13 @@ class Coordinator:
         every live sequence recompute its caches from its tokens."""
         self.in_flight.clear()      # stale steps still queued on live stages run before their reset
         self.restarts += 1
-        if self.restarts > MAX_RESTARTS:
-            self.error = f"pipeline failed {self.restarts} times; giving up"
+        now = time.monotonic()
+        self.recent_restarts.append(now)
+        while self.recent_restarts[0] < now - RESTART_WINDOW:
+            self.recent_restarts.popleft()
+        if len(self.recent_restarts) > MAX_RESTARTS:
+            self.error = (f"the pipeline failed {len(self.recent_restarts)} times within {RESTART_WINDOW / 60:g} "
+                          f"minutes; giving up")
             for seq in list(self.core.sequences.values()):
                 seq.error = self.error
                 self._finish(seq, "error")

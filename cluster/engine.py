@@ -17,20 +17,23 @@ from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.memory import fit_running, stage_need
 
+from . import watchdog
 from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
 from .engine_args import EngineArgs
 from .pipeline import PipelineSpec
 
 
 _connected_here = False
+_watchdog = None
 
 
 def connect_ray(slots_needed: int):
     """Join the cluster at RAY_ADDRESS when set, else start a local one with enough CPU slots.
     Ray enables token authentication for a new local cluster unless RAY_AUTH_MODE says otherwise
     (the token: ~/.ray/auth_token, generated when missing); its servers listen on every interface,
-    guarded by that token (ray.init turns a loopback node address into the machine's)."""
-    global _connected_here
+    guarded by that token (ray.init turns a loopback node address into the machine's). A local cluster
+    gets a watchdog (cluster/watchdog.py) that stops its processes if this driver is killed."""
+    global _connected_here, _watchdog
     if ray.is_initialized():
         return
     _connected_here = True
@@ -40,6 +43,7 @@ def connect_ray(slots_needed: int):
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES,
                  log_to_driver=False, logging_level="ERROR")
+        _watchdog = watchdog.start()     # stops the cluster's processes should this driver be killed
 
 
 def disconnect_ray():
@@ -67,9 +71,12 @@ def check_gpus(args: EngineArgs):
 
 def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
-    bundles' `memory` and, in spec.args.max_running, how many sequences may run (see stages/memory.py).
-    GPU stages hold weights and caches on the device (Ray does not know its memory: each stage checks
-    it before loading, StageActor.load); their host memory is a tensor's read buffer."""
+    bundles' `memory`, the stages' cache budget and, in spec.args.max_running, how many sequences may run
+    at once (see stages/memory.py). Memory for the running sequences' full-context caches is reserved;
+    without --max-running, when fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING
+    sequences still run as long as their own bounds (prompt + max_tokens) fit the same reservation
+    (admission by memory). GPU stages hold weights and caches on the device (Ray does not know its memory:
+    each stage checks it before loading, StageActor.load); their host memory is a tensor's read buffer."""
     if spec.args.device == "cuda":
         spec.args = dataclasses.replace(spec.args, max_running=spec.args.max_running or DEFAULT_MAX_RUNNING)
         return
@@ -78,7 +85,8 @@ def plan_memory(files, spec: PipelineSpec):
     wanted = spec.args.max_running
     running = fit_running(needs, nodes or [0], wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
     spec.stage_memory = [need.total(running) for need in needs]
-    spec.args = dataclasses.replace(spec.args, max_running=running)
+    spec.cache_budget = [running * need.cache_bytes_per_sequence for need in needs]
+    spec.args = dataclasses.replace(spec.args, max_running=wanted or DEFAULT_MAX_RUNNING)
 
 
 def show_loading(ref, spec: PipelineSpec):

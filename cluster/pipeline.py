@@ -50,6 +50,7 @@ class PipelineSpec:
     n_experts: int
     name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
     stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
+    cache_budget: list[int] | None = None   # of which bytes of cache for running sequences (admission by memory)
 
     def ranges(self) -> list[range]:
         """Each stage's layers."""

@@ -589,7 +589,7 @@ def main(argv=None) -> int:
             p.error("section real needs --real-dir (a folder with room for ~28 GB of model files)")
         report["real"] = bench_real(args.real_dir, args.quick)
     if sections & {"engines", "pp", "hops"}:
-        print(f"synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
+        print("synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
     if "engines" in sections:
         report["engines"] = bench_engines(args.quick, args.repeat)
     if sections & {"pp", "hops", "coordinator"}:

@@ -42,7 +42,7 @@ def engine_request(request: pb.GenerateRequest, serving) -> dict:
         messages = request.messages.messages
         if len(messages) > serving.args.max_messages:
             raise APIError(400, f"messages has {len(messages)} entries, more than --max-messages "
-                                f"({serving.args.max_messages})", param=which)
+                                f"({serving.args.max_messages})", param=which, code="too_many_messages")
         check_text_size(sum(len(m.content) for m in messages), serving.tokenizer, serving.context_length, which)
         line = {"messages": [{"role": m.role, "content": m.content} for m in messages]}
     try:

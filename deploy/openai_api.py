@@ -16,7 +16,13 @@ from stages.requests import check_prompt, prompt_ids
 from stages.sampling import SamplingParams
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+# Every error carries a code (README, "Errors"): the status's default below unless a more precise one
+# is given (context_length_exceeded, unsupported_parameter, invalid_body, json_too_deep, too_many_messages,
+# model_not_found, queue_full, unhealthy).
+ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+               413: "body_too_large", 500: "internal_error", 503: "unavailable"}
+UNSUPPORTED = "unsupported_parameter"
 
 
 class APIError(Exception):
@@ -25,7 +31,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or ERROR_CODES.get(status, "error")
         self.type = type or STATUS_TYPES.get(status, "server_error")
 
     def body(self) -> dict:
@@ -72,12 +79,13 @@ def _bool(body: dict, name: str, default=False) -> bool:
 def _unsupported(body: dict, name: str, allowed=(None,)):
     value = body.get(name)
     if value not in allowed and not (isinstance(value, (list, dict)) and not value):
-        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name)
+        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name,
+                       code=UNSUPPORTED)
 
 
 def _common(body: dict, served_model: str):
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {model!r}", param="model")
@@ -86,10 +94,11 @@ def _common(body: dict, served_model: str):
                             f"(see GET /v1/models)", param="model", code="model_not_found")
     n = body.get("n", 1)
     if n not in (1, None):
-        raise APIError(400, f"n must be 1 (one choice per request), got {n!r}", param="n")
+        raise APIError(400, f"n must be 1 (one choice per request), got {n!r}", param="n", code=UNSUPPORTED)
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by this server (got {body.get(name)!r})", param=name)
+            raise APIError(400, f"{name} is not supported by this server (got {body.get(name)!r})", param=name,
+                           code=UNSUPPORTED)
     _unsupported(body, "logit_bias")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
@@ -120,6 +129,12 @@ def check_text_size(n_chars: int, tokenizer, context_length: int, param: str):
                        param=param, code="context_length_exceeded")
 
 
+def _all_ints(values: list) -> bool:
+    """Whether every value is a JSON integer (not a bool), checked by C-level iteration: a body of a
+    million token ids must not hold the GIL in a Python loop while /health waits."""
+    return set(map(type, values)) == {int}
+
+
 def _check_length(ids: list[int], context_length: int, vocab: int, param: str):
     if len(ids) >= context_length:
         raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
@@ -145,7 +160,7 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
     stream, include_usage = _common(body, served_model)
     _unsupported(body, "suffix")
     if body.get("best_of") not in (None, 1):
-        raise APIError(400, f"best_of must be 1, got {body.get('best_of')!r}", param="best_of")
+        raise APIError(400, f"best_of must be 1, got {body.get('best_of')!r}", param="best_of", code=UNSUPPORTED)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]            # a batch of one
@@ -155,10 +170,13 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
             ids = tokenizer.encode(prompt)
         except RequestError as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and type(prompt[0]) is int and len(prompt) >= context_length:
+        ids = prompt       # refused below for its length, before its values are looked at
+    elif isinstance(prompt, list) and prompt and _all_ints(prompt):
         ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt")
+    elif isinstance(prompt, list) and prompt and set(map(type, prompt)) <= {str, list}:
+        raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
+                       code=UNSUPPORTED)
     else:
         raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
     _check_length(ids, context_length, vocab, "prompt")
@@ -185,7 +203,8 @@ def _message_content(message, i: int):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages",
+                               code=UNSUPPORTED)
             texts.append(part["text"])
         content = "".join(texts)
     elif content is None:
@@ -200,7 +219,8 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
         _unsupported(body, name, allowed=(None, "none"))
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
+                       code=UNSUPPORTED)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")

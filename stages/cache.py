@@ -62,6 +62,13 @@ class KVCache:
         """What `positions` keys and values in float32, with their positions, take."""
         return positions * (2 * n_kv_head * head_dim * 4 + 8)
 
+    @staticmethod
+    def capacity_bound(length: int, max_len: int) -> int:
+        """The most positions extend() allocates for a sequence that never holds more than `length`
+        (<= max_len): it grows only when full, to at most twice what it holds, never past max_len, and
+        starts at 16 or the first chunk."""
+        return min(max_len, max(16, 2 * length))
+
 
 class DeltaNetCache:
     """Conv inputs of the last K-1 tokens and the float32 recurrent state [H_v, dk, dv]."""

@@ -49,6 +49,7 @@ class EngineCore:
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
         self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
         self.max_running = max_running
+        self.cache_budget = None         # a stages.memory.CacheBudget: admission by memory, besides max_running
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -57,6 +58,8 @@ class EngineCore:
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
         seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
                        self.config.context_length)
+        if self.cache_budget is not None:
+            self.cache_budget.check(seq.max_length)
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -68,12 +71,21 @@ class EngineCore:
         return bool(self.waiting) or self.running() > 0
 
     def next_batch(self, group: int):
-        """Admit waiting sequences into the group (free slots, up to its even share of all work), then plan
-        its next batch."""
+        """Admit waiting sequences into the group (free slots, up to its even share of all work, and with a
+        cache budget while every stage has room for the next one's cache), then plan its next batch.
+        Admission is first come, first served: a long sequence that does not fit yet holds back those
+        behind it, so that it is not overtaken for ever."""
         scheduler, running = self.groups[group], self.running()
         share = -(-(running + len(self.waiting)) // len(self.groups))
         while self.waiting and running < self.max_running and len(scheduler.running) < share:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if self.cache_budget is not None:
+                need = self.cache_budget.need(seq.max_length)
+                if not self.cache_budget.fits(need):
+                    break
+                self.cache_budget.take(need)
+                seq.cache_need = need
+            self.waiting.popleft()
             seq.group = group
             scheduler.running.append(seq)
             running += 1
@@ -110,6 +122,9 @@ class EngineCore:
                 self.waiting.remove(seq)
         else:
             self.groups[seq.group].drop(seq)
+            if seq.cache_need is not None:
+                self.cache_budget.give(seq.cache_need)
+                seq.cache_need = None
         self.sequences.pop(seq.seq_id, None)
 
     def forget_caches(self) -> list[int]:

@@ -198,10 +198,11 @@ def layer_tensor_shapes(cfg: GptOssConfig, i: int) -> dict:
             **moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
 
 
-def layer_cache_bytes(cfg: GptOssConfig, i: int) -> int:
-    """The most one sequence's cache of layer i takes: a full context of keys and values, or on a
-    sliding layer twice the window plus a prefill chunk (what it holds before trimming)."""
-    positions = cfg.context_length
+def layer_cache_bytes(cfg: GptOssConfig, i: int, length: int | None = None) -> int:
+    """The most one sequence's cache of layer i takes: a full context of keys and values (or what a
+    sequence never longer than `length` allocates), or on a sliding layer at most twice the window plus
+    a prefill chunk (what it holds before trimming)."""
+    positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
     if cfg.is_sliding(i):
         positions = min(positions, 2 * cfg.sliding_window + PREFILL_CHUNK_MAX)
     return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)

@@ -16,6 +16,7 @@ from .loader import ModelFiles
 
 RUNTIME_BYTES = 768 << 20     # interpreter, torch, the kernels' buffers and one step's activations
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 @dataclass
@@ -43,8 +44,43 @@ def stage_need(model: ModelFiles, layers: range, mode: str) -> StageNeed:
     first, last = layers.start == 0, layers.stop == model.n_layers
     shapes = model.expected_shapes(layers, first, last)
     weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
-    caches = sum(model.arch.layer_cache_bytes(model.config, i) for i in layers)
+    caches = sum(model.arch.layer_cache_bytes(model.config, i) for i in layers)     # a full context each
     return StageNeed(layers, weights, caches)
+
+
+class CacheBudget:
+    """Admission by memory: the bytes of cache each stage has for its running sequences, and what each
+    sequence may come to hold there, from its own bound (prompt + max_tokens, at most the context)
+    rather than a full context. The engine admits a sequence only while every stage has room for it,
+    so a stage never holds more cache than its placement reserved (cluster.engine.plan_memory)."""
+
+    def __init__(self, model: ModelFiles, ranges: list[range], budget: list[int]):
+        self.model, self.ranges = model, ranges
+        self.budget, self.used = list(budget), [0] * len(budget)
+
+    def need(self, length: int) -> tuple[int, ...]:
+        """Bytes per stage for a sequence that never holds more than `length` positions."""
+        arch, cfg = self.model.arch, self.model.config
+        return tuple(sum(arch.layer_cache_bytes(cfg, i, length) for i in r) for r in self.ranges)
+
+    def fits(self, need: tuple[int, ...]) -> bool:
+        return all(u + n <= b for u, n, b in zip(self.used, need, self.budget))
+
+    def check(self, length: int):
+        """RequestError, naming the limit, for a sequence that could not fit even alone (it would wait
+        for ever). cluster.engine.plan_memory reserves at least one full context, so this only guards."""
+        from .errors import RequestError
+        for stage, (n, b) in enumerate(zip(self.need(length), self.budget)):
+            if n > b:
+                raise RequestError(f"max_tokens is more than memory allows: prompt + max_tokens ({length} tokens) "
+                                   f"needs {n / MiB:.1f} MiB of cache on stage {stage}, which has {b / MiB:.1f} MiB "
+                                   f"for caches; ask for fewer tokens")
+
+    def take(self, need: tuple[int, ...]):
+        self.used = [u + n for u, n in zip(self.used, need)]
+
+    def give(self, need: tuple[int, ...]):
+        self.used = [u - n for u, n in zip(self.used, need)]
 
 
 def fit_running(needs: list[StageNeed], node_bytes: list[int], max_running: int, explicit: bool) -> int:

@@ -144,11 +144,12 @@ def layer_tensor_shapes(cfg: Qwen35MoeConfig, i: int) -> dict:
     return {**Block.norm_shapes(i, cfg.hidden), **mixer, **moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
 
 
-def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int) -> int:
-    """The most one sequence's cache of layer i takes: a full context of keys and values, or the
-    DeltaNet state (whatever the length)."""
+def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int, length: int | None = None) -> int:
+    """The most one sequence's cache of layer i takes: keys and values for a full context (or for a
+    sequence never longer than `length`), or the DeltaNet state (whatever the length)."""
     if cfg.is_full_attention(i):
-        return KVCache.bytes_for(cfg.context_length, cfg.n_kv_head, cfg.head_dim)
+        positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
+        return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)
     return DeltaNetCache.bytes_for(cfg.conv_kernel, cfg.conv_dim, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim)
 
 

@@ -21,11 +21,17 @@ class Sequence:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.n_cached = 0                # tokens whose effect is in every stage's cache
         self.group: int | None = None    # its micro-batch group once admitted (stages/engine.py)
+        self.cache_need: tuple | None = None   # bytes of cache per stage it was admitted with (CacheBudget)
         self.finish_reason: str | None = None
         self.text = ""
         self.detokenizer = Detokenizer(tokenizer)
         self.cancelled = False           # set by the server when the client went away
         self.error: str | None = None
+
+    @property
+    def max_length(self) -> int:
+        """The most tokens it can come to hold: its prompt and max_tokens, at most the context."""
+        return min(len(self.prompt_ids) + self.params.max_tokens, self.context_length)
 
     @property
     def n_tokens(self) -> int:

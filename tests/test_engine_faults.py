@@ -2,6 +2,7 @@
 engine says so. The coordinator runs in this process (no Ray) over the whole model in one stage."""
 import asyncio
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -120,5 +121,29 @@ def test_a_working_engine_stays_healthy(model):
         while time.monotonic() < end:
             coord.check_health()
             await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+
+
+def test_restarts_are_counted_over_a_window(model):
+    """MAX_RESTARTS restarts within RESTART_WINDOW are recovered from, as are as many again once those are
+    older than the window; one more within the window gives up, with an error that says so."""
+    from cluster.coordinator import MAX_RESTARTS, RESTART_WINDOW
+
+    async def go():
+        coord = coordinator(model)
+        coord.pipeline.restart = lambda: []
+        for _ in range(MAX_RESTARTS):
+            await coord._recover()
+        assert coord.error is None
+        coord.recent_restarts = deque(t - RESTART_WINDOW - 1 for t in coord.recent_restarts)   # 10 minutes on
+        for _ in range(MAX_RESTARTS):
+            await coord._recover()
+        assert coord.error is None and coord.load()["restarts"] == 2 * MAX_RESTARTS
+        await coord.submit("r", GREEDY)                 # still serving
+        await coord._recover()
+        assert coord.error == f"the pipeline failed {MAX_RESTARTS + 1} times within 10 minutes; giving up"
+        with pytest.raises(RaymoeError, match="giving up"):
+            coord.check_health()
 
     asyncio.run(go())

@@ -135,8 +135,11 @@ def test_a_tiny_temperature_is_greedy_and_stalls_nothing(tmp_path):
     assert out[1]["token_ids"] == out[0]["token_ids"]
 
 
-def test_sigterm_leaves_no_ray_process(tmp_path):
-    """A driver killed mid-job stops the local Ray cluster it started, and every worker with it."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig):
+    """A driver stopped mid-job by SIGTERM stops the local Ray cluster it started, and every worker with it;
+    one killed by SIGKILL cannot, and its watchdog (cluster/watchdog.py) stops what Ray's own fate sharing
+    leaves (the raylet's agents) within seconds."""
     import signal
     import subprocess
     import sys
@@ -161,10 +164,14 @@ def test_sigterm_leaves_no_ray_process(tmp_path):
             time.sleep(0.5)
         time.sleep(1)
         children = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        assert any(b"cluster.watchdog" in _cmdline(pid) for pid in children) and len(children) >= 5
+        proc.send_signal(getattr(signal, sig))
         status, err = proc.wait(timeout=60), proc.stderr.read()
-        assert status == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
-        deadline = time.time() + 10
+        if sig == "SIGTERM":
+            assert status == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+        else:
+            assert status == -signal.SIGKILL
+        deadline = time.time() + 15
         while still_running(children) and time.time() < deadline:
             time.sleep(0.2)
         assert not still_running(children), [_cmdline(pid) for pid in still_running(children)]

@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 
+import aiohttp
 import openai
 import pytest
 
@@ -308,8 +309,46 @@ def test_error_statuses(client, server):
     error_of(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                     stream_options={"include_usage": True}), 400)
     status, body = post_raw(server + "/v1/completions", b"{not json")
-    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert status == 400 and (body["error"]["type"], body["error"]["code"]) == ("invalid_request_error", "invalid_body")
     wait_idle(server)
+
+
+def test_every_error_has_openai_json_and_a_code(client, server):
+    """400s carry a code (the status's default "invalid_value", or a more precise one), and the framework's
+    own 404 (unknown path) and 405 (wrong method) answer the same JSON as every other error."""
+    def error_of(call, status):
+        with pytest.raises(openai.APIStatusError) as info:
+            call()
+        assert info.value.status_code == status
+        return info.value.response.json()["error"]
+
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1), 400)
+    assert (e["code"], e["param"]) == ("invalid_value", "temperature")
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=2), 400)
+    assert (e["code"], e["param"]) == ("unsupported_parameter", "n")
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt=[1, 10 ** 9]), 400)
+    assert (e["code"], e["param"]) == ("invalid_value", "prompt")
+    e = error_of(lambda: client.chat.completions.create(model=MODEL, messages=[]), 400)
+    assert (e["code"], e["param"]) == ("invalid_value", "messages")
+    status, body = post_raw(server + "/v1/completions", b"[1, 2]")
+    assert status == 400 and body["error"]["code"] == "invalid_body"
+
+    async def raw(method: str, path: str):
+        async with aiohttp.ClientSession() as s:
+            async with s.request(method, server + path) as r:
+                return r.status, r.headers.get("allow"), await r.json()
+
+    for method, path, status, code in [("GET", "/v1/completions", 405, "method_not_allowed"),
+                                       ("DELETE", "/v1/chat/completions", 405, "method_not_allowed"),
+                                       ("POST", "/health", 405, "method_not_allowed"),
+                                       ("GET", "/v1/nothing", 404, "not_found"),
+                                       ("POST", "/", 404, "not_found")]:
+        got, allow, body = asyncio.run(raw(method, path))
+        assert got == status and set(body) == {"error"}, (method, path, got, body)
+        e = body["error"]
+        assert set(e) == {"message", "type", "param", "code"} and e["type"] == "invalid_request_error", e
+        assert e["code"] == code and path in e["message"], e
+        assert (allow is not None) == (status == 405), allow
 
 
 def test_metrics(client, server):

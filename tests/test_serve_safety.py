@@ -3,7 +3,9 @@ where HTTP does, /v1/* and gRPC need the key, request limits answer 400/413 nami
 /health stays responsive, bad text is a 400, a model that cannot load fails fast, and SIGTERM with
 gRPC on stops everything quickly."""
 import asyncio
+import glob
 import json
+import os
 import signal
 import time
 
@@ -120,7 +122,7 @@ def test_limits_and_bad_text_are_400s(server):
 def test_health_answers_while_a_maximal_body_is_parsed(server):
     """Bodies just under --max-body-bytes, as token ids (the most JSON values) and as text: /health keeps
     answering while they are read and parsed. The issue asks for 100 ms; on the 2-core CI machine the
-    worst seen is 90-115 ms (Serve's proxy forwarding the body to the replica), hence 250 ms here."""
+    worst seen is 68 ms (the token ids' body: json.loads holds the GIL ~30 ms, the rest is Serve's proxy)."""
     ids = json.dumps({"prompt": [1] * ((MAX_BODY_BYTES - 20) // 3)}).encode()
     text = json.dumps({"prompt": "word " * ((MAX_BODY_BYTES - 20) // 5)}).encode()
     assert len(ids) <= MAX_BODY_BYTES and len(text) <= MAX_BODY_BYTES
@@ -145,7 +147,7 @@ def test_health_answers_while_a_maximal_body_is_parsed(server):
         status, latencies = asyncio.run(run(body))
         assert status == 400 and latencies
         print(f"/health during a {len(body)}-byte body: worst {max(latencies) * 1000:.0f} ms of {len(latencies)}")
-        assert max(latencies) < 0.25, latencies
+        assert max(latencies) < 0.1, latencies
 
 
 def test_model_that_cannot_load_fails_fast(tmp_path):
@@ -163,23 +165,54 @@ def test_model_that_cannot_load_fails_fast(tmp_path):
         proc.kill()
 
 
+def drop_streams(server, n: int):
+    """n streams at once, each connection cut after 0-6 lines (some mid-body), and n requests given up
+    while they wait."""
+    async def go():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async def stream(i):
+                body = {"prompt": f"Leave {i}", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with s.post(server.base + "/v1/completions", json=body) as r:
+                    async for _ in r.content:
+                        if i % 7 == 0:
+                            break
+                        i -= 1
+                    r.connection.transport.abort()
+
+            async def unary(i):
+                body = {"prompt": f"Leave {i}", "max_tokens": 200, "ignore_eos": True}
+                try:
+                    await asyncio.wait_for(s.post(server.base + "/v1/completions", json=body), 0.05 + 0.02 * i)
+                except asyncio.TimeoutError:
+                    pass
+            await asyncio.gather(*[stream(i) for i in range(n)], *[unary(i) for i in range(n)])
+    asyncio.run(go())
+
+
 def test_disconnects_log_one_line_and_sigterm_stops_quickly(server):
-    """Last: a stream and a gRPC call leave mid-way (no traceback in the log), then SIGTERM with gRPC on
-    stops Serve and its Ray cluster within 15 s."""
-    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    stream = client.completions.create(model=MODEL, prompt="Leave", max_tokens=3000, temperature=0, stream=True)
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
+    """Last: streams and gRPC calls leave mid-way, and no traceback ("Future exception was never
+    retrieved" was Serve's, for a stream whose client left) reaches the replica's or any Ray worker's
+    log; then SIGTERM with gRPC on stops Serve and its Ray cluster within 15 s."""
+    from deploy.soak import log_tracebacks, ray_session_dir
+    drop_streams(server, 40)
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        call = pb_grpc.RaymoeStub(channel).GenerateStream(pb.GenerateRequest(prompt="Leave", max_tokens=3000),
-                                                          metadata=(("authorization", f"Bearer {KEY}"),))
-        for i, _ in enumerate(call):
-            if i == 2:
-                break
-        call.cancel()
+        for _ in range(3):
+            call = pb_grpc.RaymoeStub(channel).GenerateStream(pb.GenerateRequest(prompt="Leave", max_tokens=3000),
+                                                              metadata=(("authorization", f"Bearer {KEY}"),))
+            for i, _ in enumerate(call):
+                if i == 2:
+                    break
+            call.cancel()
     wait_idle(server.base)
+    session = ray_session_dir(server.proc.pid)
+    assert session, "the server's Ray session directory"
+    time.sleep(1)                                   # Ray's log files are written as lines come
+    worker_logs = ""
+    for path in glob.glob(os.path.join(session, "logs", "worker-*")):
+        with open(path, errors="replace") as f:
+            worker_logs += f.read()
+    assert worker_logs.count("POST /v1/completions") >= 40      # Serve's access log: a line per request it got
+    assert "never retrieved" not in worker_logs and not log_tracebacks(session), dict(log_tracebacks(session))
     tree = descendants(server.proc.pid)
     started = time.time()
     assert server.stop(signal.SIGTERM, timeout=60) == 0, server.tail()
