@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from kernels.blocks import _check_raw
+
 from .launch import check_device
 
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
@@ -245,23 +247,6 @@ def _dequantize_kernel(raw_ptr, row_bytes, ids_ptr, out_ptr, n, K,
     blk = raw_ptr + ids[:, None, None] * row_bytes + (start // QK) * TYPE_SIZE
     x = _decode(blk, (start % QK) // 32, (start // 16) % 2, tl.arange(0, 16)[None, None, :], mask, TYPE)
     tl.store(out_ptr + r.to(tl.int64)[:, None, None] * K + k, x, mask=mask)
-
-
-def row_bytes(ggml_type: int, k: int) -> int:
-    if int(ggml_type) not in map(int, TYPES):
-        raise ValueError(f"unsupported GGML type {ggml_type}")
-    elems, size = GGML_QUANT_SIZES[T(ggml_type)]
-    if k <= 0 or k % elems:
-        raise ValueError(f"{T(ggml_type).name} rows need a positive multiple of {elems} values, got {k}")
-    return k // elems * size
-
-
-def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
-    if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
-        raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
-    if raw.shape[-1] != row_bytes(ggml_type, k):
-        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {row_bytes(ggml_type, k)} for "
-                         f"{T(ggml_type).name} with k={k}")
 
 
 def _check_matrix(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
