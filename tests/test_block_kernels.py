@@ -3,6 +3,9 @@ dequantisation (bit for bit) and float64 products (within derived error bounds),
 machine's build and on the AVX2 and portable builds."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import gguf.quants
 import numpy as np
 import pytest
@@ -207,6 +210,58 @@ def test_grouped_many_rows(variant, t):
         assert (err <= bound).all(), (err / bound).max()
         assert bound.sum() < 0.05 * (x[a:b].abs().double() @ w[g].abs().double().T).sum()
         assert (err > exact_bound(x[a:b], w[g], grouped_chain(k))).any()  # really quantised
+
+
+class GuardedBytes:
+    """A copy of raw whose last byte is the last one before an unreadable page: a kernel that reads
+    past a buffer's end (as one reading past a row's last block would) dies with SIGSEGV."""
+
+    def __init__(self, raw: torch.Tensor):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                 ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        page, n = mmap.PAGESIZE, raw.numel()
+        self.size = (n + page - 1) // page * page + page
+        self.libc, self.base = libc, libc.mmap(None, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                                               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        assert libc.mprotect(self.base + self.size - page, page, 0) == 0    # PROT_NONE
+        start = self.base + self.size - page - n
+        self.tensor = torch.frombuffer((ctypes.c_uint8 * n).from_address(start), dtype=torch.uint8).view(raw.shape)
+        self.tensor.copy_(raw)
+
+    def free(self):
+        del self.tensor
+        self.libc.munmap(self.base, self.size)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_kernels_read_nothing_past_the_weights(variant, t):
+    """Weight buffers may end exactly at a page's end (weights are read into buffers of their own
+    size), so no kernel may load bytes past a row's last block, even a few it then ignores."""
+    rng = np.random.default_rng(9000 + int(t))
+    k = 3 * max(block_elems(t), 256)
+    raw = torch.stack([random_raw(rng, t, 19, k) for _ in range(2)])
+    guarded = GuardedBytes(raw)
+    try:
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(int(t)))
+        want = torch.empty(40, 19)
+        got = torch.empty(40, 19)
+        for fast in (False, True):
+            blocks.grouped_product(x[:3], raw, t, k, [(1, 0, 3)], want[:3], fast)
+            blocks.grouped_product(x[:3], guarded.tensor, t, k, [(1, 0, 3)], got[:3], fast)
+            assert torch.equal(got[:3], want[:3])
+        blocks.many_rows_product(x, guarded.tensor[1], t, k, got)
+        blocks.many_rows_product(x, raw[1], t, k, want)
+        assert torch.equal(got, want)
+        if t not in FLOATS:
+            blocks.grouped_many_rows(x, guarded.tensor, t, k, [(0, 0, 15), (1, 15, 40)], got)
+            blocks.grouped_many_rows(x, raw, t, k, [(0, 0, 15), (1, 15, 40)], want)
+            assert torch.equal(got, want)
+        assert torch.equal(blocks.dequantize_rows(guarded.tensor[1], t, k), blocks.dequantize_rows(raw[1], t, k))
+    finally:
+        guarded.free()
 
 
 def test_strided_rows():

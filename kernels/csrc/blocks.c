@@ -380,7 +380,8 @@ static inline __m128i scale_min_bytes_k(const uint8_t *s) {
  * scales 0-3 = (x0 & 15) | (x2 & 3) << 4, 4-7 from x1 and x2 >> 2, 8-11 from x0 >> 4 and x2 >> 4,
  * 12-15 from x1 >> 4 and x2 >> 6, per byte. */
 static inline __m256i scales_q3_k(const uint8_t *s) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* 16 bytes: inside the block */
+    /* the 12 bytes only: the block ends 2 bytes after them, and a row's last block may end a buffer */
+    const __m128i x = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)s), (int)rd32(s + 8), 2);
     const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4));
     const __m128i high = _mm_srlv_epi32(_mm_shuffle_epi32(x, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6));
     const __m128i a = _mm_or_si128(_mm_and_si128(low, _mm_set1_epi8(15)), _mm_slli_epi32(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
