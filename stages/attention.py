@@ -83,7 +83,7 @@ class Attention:
             keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
             out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, s.head_dim ** -0.5,
                                   window=self.window, sinks=self.sinks)
-            cache.trim()       # sliding layers keep only the last `window` positions
+            cache.trim()       # sliding layers keep at most twice the `window` positions
         out = out.reshape(T, -1)
         if s.output_gate:
             out = out * torch.sigmoid(gate)

@@ -7,9 +7,8 @@ import torch
 class KVCache:
     """Keys/values of one sequence for one attention layer, with their absolute positions.
 
-    Storage grows by doubling, up to `max_len` positions (the context). With a window, only the
-    last `window` positions are kept after each step, so memory stays bounded however long the
-    sequence gets.
+    Storage grows by doubling, up to `max_len` positions (the context). With a window, at most twice
+    `window` positions are kept (see trim), so memory stays bounded however long the sequence gets.
     """
 
     def __init__(self, window: int | None = None, max_len: int | None = None):
@@ -42,15 +41,17 @@ class KVCache:
 
     def trim(self):
         """Drop positions no future query can see (sliding-window layers only), and give back storage
-        a long prefill chunk made grow beyond twice the window, so memory stays bounded by the window."""
+        a long prefill chunk made grow beyond twice the window, so memory stays bounded by the window.
+        The copy waits until the storage is full: decode then moves the window once every `window`
+        steps, not every step (attention masks out the older positions it still holds)."""
         if self.window is None or self.k is None:
             return
-        if self.length > self.window:
+        cap = max(2 * self.window, 16)
+        if self.length > self.window and (self.length >= self.k.shape[0] or self.k.shape[0] > cap):
             keep = slice(self.length - self.window, self.length)
             for t in (self.k, self.v, self.pos):
                 t[:self.window] = t[keep].clone()
             self.length = self.window
-        cap = max(2 * self.window, 16)
         if self.k.shape[0] > cap:
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
 
