@@ -72,26 +72,50 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
         h = slot_linear(x.repeat_interleave(ids.shape[1], 0), gate_up, flat, gate_up_bias)
         return torch.arange(flat.numel(), device=x.device), slot_linear(activation(h), down, flat, down_bias)
     experts = experts if experts is not None else range(gate_up.shape[0])
-    flat = ids.reshape(-1).cpu().numpy()      # the grouping is planned on the host (a sync on a GPU)
-    order = np.argsort(flat, kind="stable")
-    order = order[(flat[order] >= experts.start) & (flat[order] < experts.stop)]
-    if len(order) == 0:
+    order, groups = _plan(ids, experts)
+    if not order:
         return torch.empty(0, dtype=torch.long, device=x.device), x.new_empty(0, x.shape[1])
-    local = flat[order] - experts.start
-    cuts = (np.flatnonzero(np.diff(local)) + 1).tolist()
-    groups = [(int(local[a]), a, b) for a, b in zip([0, *cuts], [*cuts, len(order)])]
-    slots = torch.from_numpy(order).to(x.device)
-    h = grouped_linear(x[slots // ids.shape[1]], gate_up, groups, gate_up_bias)
+    k = ids.shape[1]
+    slots = torch.tensor(order, device=x.device)
+    tokens = x if k == 1 else x.index_select(0, torch.tensor([s // k for s in order], device=x.device))
+    h = grouped_linear(tokens, gate_up, groups, gate_up_bias)
     return slots, grouped_linear(activation(h), down, groups, down_bias)
+
+
+# Up to this many (token, expert) slots (a decode step's), the plan is made in plain Python: numpy's
+# per-call cost is larger than the work there.
+SMALL_PLAN = 64
+
+
+def _plan(ids: torch.Tensor, experts: range) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The slots routed to `experts`, sorted (stably) by expert, and the groups (local expert,
+    first, end) of the sorted list: one product per expert over its tokens."""
+    if ids.numel() <= SMALL_PLAN:
+        flat = ids.reshape(-1).tolist()     # the grouping is planned on the host (a sync on a GPU)
+        order = [s for s in sorted(range(len(flat)), key=flat.__getitem__) if flat[s] in experts]
+        local = [flat[s] - experts.start for s in order]
+    else:
+        flat = ids.reshape(-1).cpu().numpy()
+        order = np.argsort(flat, kind="stable")
+        order = order[(flat[order] >= experts.start) & (flat[order] < experts.stop)]
+        local = (flat[order] - experts.start).tolist()
+        order = order.tolist()
+    groups, start = [], 0
+    for i in range(1, len(local) + 1):
+        if i == len(local) or local[i] != local[start]:
+            groups.append((local[start], start, i))
+            start = i
+    return order, groups
 
 
 def combine_slots(slots: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Routing-weighted sum over each token's k slots, always in slot order: the result does not
     depend on which process computed which expert."""
     T, k = weights.shape
-    y = rows.new_zeros(T * k, rows.shape[-1])
-    y[slots] = rows
-    return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
+    # slots are distinct: when every slot has a row, each one is written and none needs zeroing
+    y = rows.new_empty(T * k, rows.shape[-1]) if len(slots) == T * k else rows.new_zeros(T * k, rows.shape[-1])
+    y.index_copy_(0, slots, rows)
+    return y.view(T, k, -1).mul_(weights[..., None].to(y.dtype)).sum(1)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
