@@ -6,9 +6,46 @@ the softmax and is then dropped (gpt-oss).
 """
 from __future__ import annotations
 
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 
+from . import native
 from .gpu_ops import use_triton
+
+# Up to this many query rows (decode), one call of the compiled kernel replaces the dozen torch
+# operations below; more rows (prefill) go to torch's matrix products.
+FEW_QUERIES = 4
+SOURCE = Path(__file__).parent / "csrc" / "attention.c"
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    lib = native.load_source(SOURCE)
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.raymoe_attention_rows.argtypes = [p, i, i, i, p, p, i, i, i, p, p, ctypes.c_float, i, p, p]
+        lib.raymoe_attention_rows.restype = ctypes.c_int
+    return lib
+
+
+def _few_rows(q, k, v, q_pos, k_pos, scale, window, sinks) -> torch.Tensor | None:
+    """The compiled kernel's result, or None when it does not apply (no library, other dtypes)."""
+    lib = _library()
+    if lib is None or q.shape[0] > FEW_QUERIES or q.is_cuda or \
+            any(t.dtype != torch.float32 for t in (q, k, v)) or q.shape[1] % k.shape[1]:
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_pos, k_pos = q_pos.to(torch.int64).contiguous(), k_pos.to(torch.int64).contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if lib.raymoe_attention_rows(q.data_ptr(), q.shape[0], q.shape[1], q.shape[2], k.data_ptr(), v.data_ptr(),
+                                 k.shape[0], k.shape[1], v.shape[-1], q_pos.data_ptr(), k_pos.data_ptr(), scale,
+                                 window or 0, None if sinks is None else sinks.data_ptr(), out.data_ptr()):
+        raise MemoryError("attention: could not allocate the score buffers")
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -23,6 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if use_triton("attention", q) and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
         from .triton.attention import attention as gpu_attention
         return gpu_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+    few = _few_rows(q, k, v, q_pos, k_pos, scale, window, sinks)
+    if few is not None:
+        return few
     tq, hq, d = q.shape
     tk, hkv, dv = v.shape
     group = hq // hkv

@@ -82,6 +82,23 @@ def compiler() -> str | None:
 
 
 @lru_cache(maxsize=None)
+def load_source(source: Path, arch: str | None = None, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from `source` for -march=arch (default march()), or None where it can't be
+    built or loaded here (the reason is logged once): callers then keep their torch code."""
+    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: %s is not used", source.name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc, source, arch, extra)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("%s unavailable (%s)", source.name, e)
+        return None
+
+
+@lru_cache(maxsize=None)
 def few_rows() -> ctypes.CDLL | None:
     """The loaded library, or None where it can't be used here (the reason is logged once)."""
     if os.environ.get("RAYMOE_NATIVE", "1") == "0":

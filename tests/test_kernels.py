@@ -90,14 +90,39 @@ def naive_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None):
     return out
 
 
+@pytest.mark.parametrize("rows", [5, 1, 3])     # 5: torch's matrix products; 1 and 3: the compiled kernel
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (4, False), (None, True), (3, True)])
-def test_attention_gqa_window_sinks(window, with_sinks):
+def test_attention_gqa_window_sinks(window, with_sinks, rows):
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(5, 6, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
-    q_pos, k_pos = torch.arange(4, 9), torch.arange(9)
+    q, k, v = torch.randn(rows, 6, 37, generator=g), torch.randn(9, 2, 37, generator=g), torch.randn(9, 2, 37, generator=g)
+    q_pos, k_pos = torch.arange(9 - rows, 9), torch.arange(9)
     sinks = torch.randn(6, generator=g) if with_sinks else None
     ours = attention(q, k, v, q_pos, k_pos, 0.3, window=window, sinks=sinks)
     assert torch.allclose(ours, naive_attention(q, k, v, q_pos, k_pos, 0.3, window, sinks), atol=1e-5)
+
+
+def test_compiled_attention_is_used_for_decode_and_is_thread_independent(monkeypatch):
+    """A decode step's rows go through the compiled kernel (not torch's products: their results differ
+    in the last bits), whatever the thread count; keys past a window and a cache ring's unordered
+    positions are handled by position, as in torch."""
+    from kernels import attention as module
+    assert module._library() is not None
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 8, 64, generator=g), torch.randn(300, 2, 64, generator=g), torch.randn(300, 2, 64, generator=g)
+    q_pos, k_pos = torch.tensor([298, 299]), torch.randperm(300, generator=g)
+    sinks = torch.randn(8, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention(q, k, v, q_pos, k_pos, 0.125, window=128, sinks=sinks)
+        torch.set_num_threads(2)
+        two = attention(q, k, v, q_pos, k_pos, 0.125, window=128, sinks=sinks)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    monkeypatch.setattr(module, "_library", lambda: None)
+    products = attention(q, k, v, q_pos, k_pos, 0.125, window=128, sinks=sinks)
+    assert not torch.equal(one, products) and torch.allclose(one, products, atol=1e-5)
 
 
 def test_multi_section_rope_equals_partial_rope_for_text_positions():
