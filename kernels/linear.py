@@ -20,8 +20,8 @@ def grouped_linear(x: torch.Tensor, weights, groups: list[tuple[int, int, int]],
     weights = as_weight(weights)
     out = weights.grouped(x, groups, x.new_empty(x.shape[0], weights.shape[-2]))
     if bias is not None:
-        counts = torch.tensor([b - a for _, a, b in groups], device=x.device)
-        out += bias[torch.tensor([g for g, _, _ in groups], device=x.device).repeat_interleave(counts)]
+        rows = torch.tensor([g for g, a, b in groups for _ in range(b - a)], dtype=torch.long, device=x.device)
+        out += bias.index_select(0, rows)
     return out
 
 
