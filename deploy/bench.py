@@ -301,7 +301,7 @@ def bench_real_raymoe(path: str, n_prompt: int, n_decode: int) -> dict:
             engine.add_request(i, random_ids(prompt_len, i), SamplingParams(max_tokens=n, temperature=0))
         engine.run_until_done()
 
-    generate(1, 16, 2)
+    generate(1, n_prompt, 2)          # warm-up, as llama.cpp's below
     prefill = timed(lambda: generate(1, n_prompt, 1))
     one = timed(lambda: generate(1, 8, 1))
     decode = timed(lambda: generate(1, 8, n_decode + 1)) - one
@@ -321,7 +321,9 @@ def bench_real_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None
                 n_threads_batch=THREADS, verbose=False)
     load = time.perf_counter() - start
     prompt = random_ids(n_prompt, 0)
-    llm.eval(prompt[:16])
+    # one whole prompt first: llama.cpp maps the file, and a first prompt would time the disk paging the
+    # weights in (raymoe's load has read them all)
+    llm.eval(prompt)
     llm.reset()
     prefill = timed(lambda: llm.eval(prompt))
     llm.reset()
