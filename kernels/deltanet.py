@@ -6,15 +6,65 @@ Per V-head state S [dk, dv] (float32), per token:
 same thing 64 tokens at a time with the WY / triangular-solve form (prefill).
 Inputs q/k must already be L2-normalised and expanded to one head per V head.
 
-On CUDA the Triton kernels (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head
-sizes they fit (powers of two; the chunked form needs them and the chunk at least 16).
+`GatedDeltaNet` holds a layer's small parameters and computes its glue around these: the q/k/v
+split, the gates, the gated output norm, and `decode`, one token of several sequences at once.
+
+On the CPU the compiled library (kernels/csrc/deltanet.c, built by kernels/native.py's machinery)
+runs the conv and the whole decode step in one call each; `library()` is None without a compiler
+(or with RAYMOE_NATIVE=0), and then torch computes them. On CUDA the Triton kernels
+(kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head sizes they fit
+(powers of two; the chunked form needs them and the chunk at least 16).
 """
 from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .gpu_ops import use_triton
+from .norms import gated_rms_norm
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "deltanet.c"
+# no fused multiply-adds: the C rounds step by step as torch's separate operations do; sqrtf inline
+EXTRA_FLAGS = ("-ffp-contract=off", "-fno-math-errno")
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled DeltaNet kernels for this machine, or None where they can't be built here (the
+    reason is logged once)."""
+    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
+        return None
+    cc = native.compiler()
+    if cc is None:
+        log.warning("no C compiler found: the DeltaNet glue runs as torch operations")
+        return None
+    try:
+        lib = ctypes.CDLL(str(native._build(cc, SOURCE, None, EXTRA_FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("DeltaNet kernels unavailable (%s): the glue runs as torch operations", e)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.raymoe_dn_conv.argtypes = [i, i, i, p, i, i, p, i, p, p, p]
+    lib.raymoe_dn_conv.restype = None
+    lib.raymoe_dn_decode.argtypes = [i, p, p, p, p, p, i, p, i, p, p, p, p, p, ctypes.c_float, i, i, i, i, p, i]
+    lib.raymoe_dn_decode.restype = ctypes.c_int
+    return lib
+
+
+def _compiled(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels take these: float32 CPU tensors, and the library is here."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and library() is not None
 
 
 def _gpu(op: str, q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
@@ -32,11 +82,26 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     if use_triton("conv1d", x) and x.dtype == torch.float32:
         from .triton import deltanet
         return deltanet.causal_conv1d(x, weight.float(), state.float())
+    if x.dim() in (2, 3) and _compiled(x, weight, state):
+        return _conv_compiled(x, weight, state)
     kernel = weight.shape[1]
     full = torch.cat((state.to(x.dtype), x), dim=-2)                # [..., T+K-1, C]
     windows = full.unfold(-2, kernel, 1)                              # [..., T, C, K]
     y = (windows * weight.to(x.dtype)).sum(-1)
     return F.silu(y), full[..., full.shape[-2] - (kernel - 1):, :].clone()
+
+
+def _conv_compiled(x, weight, state):
+    n, (T, C), K = (x.shape[0] if x.dim() == 3 else 1), x.shape[-2:], weight.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    state, taps = state.contiguous(), weight.t().contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    new_state = torch.empty(state.shape, dtype=torch.float32)
+    ld_n = x.stride(0) if x.dim() == 3 else 0
+    library().raymoe_dn_conv(n, T, C, x.data_ptr(), ld_n, x.stride(-2), taps.data_ptr(), K, state.data_ptr(),
+                             y.data_ptr(), new_state.data_ptr())
+    return y, new_state
 
 
 def delta_rule_step(q, k, v, g, beta, state):
@@ -114,3 +179,82 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
         S = S * chunk_decay[:, c] + k_dec[:, c].transpose(-1, -2) @ v_new
     out = out.reshape(H, -1, dv)[:, :T].transpose(0, 1)
     return out, S
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@dataclass
+class GatedDeltaNet:
+    """A Gated DeltaNet layer's small parameters (float32): conv taps [C, K], a = -exp(A_log) and
+    dt_bias [n_v_heads], the output norm's weight [v_head_dim]; and its head sizes. V head vh
+    reads K head vh % n_k_heads (tiled order)."""
+    conv: torch.Tensor
+    a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self):
+        self.taps = self.conv.t().contiguous()        # [K, C], as the compiled decode step reads them
+
+    def heads(self, mixed: torch.Tensor):
+        """Split conv output [n, C] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
+        n, nk, dk = mixed.shape[0], self.n_k_heads, self.k_head_dim
+        q, k, v = mixed.split([nk * dk, nk * dk, self.n_v_heads * self.v_head_dim], dim=-1)
+        # tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave)
+        repeat = self.n_v_heads // nk
+        q = l2norm(q.reshape(n, nk, dk)).repeat(1, repeat, 1)
+        k = l2norm(k.reshape(n, nk, dk)).repeat(1, repeat, 1)
+        return q, k, v.reshape(n, self.n_v_heads, self.v_head_dim)
+
+    def gates(self, beta: torch.Tensor, alpha: torch.Tensor):
+        """(g, beta) per token and V head from the projections: log decay a * softplus(alpha + dt_bias)
+        and the write strength sigmoid(beta)."""
+        return self.a * F.softplus(alpha.float() + self.dt_bias), torch.sigmoid(beta.float())
+
+    def output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The out projection's input [n, H_v * dv] from the delta rule's y [n, H_v, dv]."""
+        return gated_rms_norm(y, z.reshape(y.shape), self.norm, self.eps).reshape(y.shape[0], -1)
+
+    def decode(self, qkv, z, beta, alpha, rows: list[int], conv_states, states, out: torch.Tensor) -> None:
+        """One token of each of n sequences: row rows[i] of the projections qkv [*, C], z [*, H_v * dv],
+        beta and alpha [*, H_v] is sequence i's; its caches, conv_states [n, K-1, C] and states
+        [n, H_v, dk, dv] (contiguous), are updated in place. Writes out[rows] (the out
+        projection's input)."""
+        n, C, K = len(rows), self.conv.shape[0], self.conv.shape[1]
+        if conv_states.shape != (n, K - 1, C) or \
+                states.shape != (n, self.n_v_heads, self.k_head_dim, self.v_head_dim):
+            raise ValueError(f"caches {tuple(conv_states.shape)}, {tuple(states.shape)} do not fit {n} sequences")
+        parts = (qkv, z, beta, alpha)
+        if _compiled(*parts, conv_states, states, out, self.taps, self.a, self.dt_bias, self.norm) and \
+                _same_rows(parts) and out.stride(-1) == 1 and all(t.is_contiguous() for t in (
+                    conv_states, states, self.taps, self.a, self.dt_bias, self.norm)):
+            index = torch.tensor(rows, dtype=torch.int64)
+            failed = library().raymoe_dn_decode(
+                n, index.data_ptr(), *(t.data_ptr() for t in parts), qkv.stride(0), self.taps.data_ptr(),
+                K, conv_states.data_ptr(), states.data_ptr(), self.a.data_ptr(),
+                self.dt_bias.data_ptr(), self.norm.data_ptr(), self.eps, self.n_k_heads, self.n_v_heads,
+                self.k_head_dim, self.v_head_dim, out.data_ptr(), out.stride(0))
+            if failed:
+                raise MemoryError("DeltaNet decode step: out of memory")
+            return
+        idx = torch.tensor(rows, device=qkv.device)
+        g, beta = self.gates(beta[idx], alpha[idx])
+        mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, conv_states)
+        conv_states.copy_(conv)
+        q, k, v = self.heads(mixed[:, 0])
+        y = delta_rule_step(q * self.k_head_dim ** -0.5, k, v.float(), g, beta, states)
+        out[idx] = self.output(y, z[idx])
+
+
+def _same_rows(parts) -> bool:
+    """Column slices of one [n, *] matrix (the stacked projections): one row stride, contiguous rows."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == parts[0].stride(0) for t in parts)
+
