@@ -10,8 +10,9 @@ Inputs q/k must already be L2-normalised and expanded to one head per V head.
 split, the gates, the gated output norm, and `decode`, one token of several sequences at once.
 
 On the CPU the compiled library (kernels/csrc/deltanet.c, built by kernels/native.py's machinery)
-runs the conv and the whole decode step in one call each; `library()` is None without a compiler
-(or with RAYMOE_NATIVE=0), and then torch computes them. On CUDA the Triton kernels
+runs the conv, the whole decode step and the chunked form (with numpy's OpenBLAS sgemm) in one
+call each; `library()` is None without a compiler (or with RAYMOE_NATIVE=0), and then torch
+computes them (the chunked form also when numpy's BLAS is not scipy-openblas). On CUDA the Triton kernels
 (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head sizes they fit
 (powers of two; the chunked form needs them and the chunk at least 16).
 """
@@ -59,6 +60,9 @@ def library() -> ctypes.CDLL | None:
     lib.raymoe_dn_conv.restype = None
     lib.raymoe_dn_decode.argtypes = [i, p, p, p, p, p, i, p, i, p, p, p, p, p, ctypes.c_float, i, i, i, i, p, i]
     lib.raymoe_dn_decode.restype = ctypes.c_int
+    lib.raymoe_dn_chunked.argtypes = [p, i, i, i, i, i, p, i, p, i, p, i, p, p, i, p, p]
+    lib.raymoe_dn_chunked.restype = ctypes.c_int
+    lib.sgemm = native._numpy_sgemm()
     return lib
 
 
@@ -150,6 +154,8 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
     if _gpu("delta_rule", q, v, state) and min(q.shape[-1], v.shape[-1], chunk) >= 16:
         from .triton import deltanet
         return deltanet.delta_rule_chunked(q.float(), k.float(), v.float(), g.float(), beta.float(), state, chunk)
+    if _compiled(q, k, v, g, beta, state) and library().sgemm is not None:
+        return _chunked_compiled(q, k, v, g, beta, state, chunk)
     T, H, dk = q.shape
     dv = v.shape[-1]
     n = -(-T // chunk)
@@ -186,6 +192,25 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
         out[c].baddbmm_(intra[c], v_new)
         S.mul_(chunk_decay[c]).baddbmm_(k_dec[c], v_new)
     return out.transpose(1, 2).reshape(n * chunk, H, dv)[:T], S
+
+
+def _chunked_compiled(q, k, v, g, beta, state, chunk):
+    """The compiled chunked form: one thread per head, products by numpy's OpenBLAS on that thread."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    def rows(t):        # heads side by side in a row, rows at any stride
+        return t if t.stride(-1) == 1 and (t.dim() == 2 or t.stride(-2) == t.shape[-1]) else t.contiguous()
+    q, k, v, g, beta = (rows(t) for t in (q, k, v, g, beta))
+    if g.stride(0) != beta.stride(0):
+        g, beta = g.contiguous(), beta.contiguous()
+    S = state.float().contiguous().clone()
+    out = torch.empty(T, H, dv)
+    lib = library()
+    if lib.raymoe_dn_chunked(lib.sgemm, T, H, dk, dv, chunk, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                             v.data_ptr(), v.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0), S.data_ptr(),
+                             out.data_ptr()):
+        raise MemoryError("chunked delta rule: out of memory")
+    return out, S
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -4,6 +4,8 @@
  *   raymoe_dn_decode   one token of each of n sequences, from the input projections to the input of
  *                      the out projection: conv (state updated), q/k L2 norm, gates, the delta rule
  *                      on each head's state in place, and the gated RMSNorm with z
+ *   raymoe_dn_chunked  the chunked delta rule of a prefill, one thread per head; its products by
+ *                      a single-threaded sgemm (numpy's OpenBLAS) the caller passes
  *
  * Plain C that the compiler vectorises for the machine's CPU (-march=native); sums over a vector
  * run in VL independent lanes (vectorisable without reassociation), as torch's vectorised sums
@@ -21,8 +23,8 @@
 
 /* exp(x) within ~1 ulp (Cephes' expf polynomial) in operations the compiler vectorises: libm's
  * expf is a call per element (measured 40 ms for the silu of a [512, 8192] prefill conv). */
-static inline float exp_vec(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+static inline float exp_vec(float in) {
+    const float x = in < -87.0f ? -87.0f : (in > 88.0f ? 88.0f : in);   /* 0 below (torch: denormals) */
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round(x / ln 2) */
     const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;              /* x - n ln 2 in two parts */
     float p = 1.9875691500e-4f;
@@ -33,7 +35,7 @@ static inline float exp_vec(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
+    return in < -87.0f ? 0.0f : p * scale.f;
 }
 
 static inline float silu(float x) { return x / (1.0f + exp_vec(-x)); }
@@ -188,5 +190,101 @@ int raymoe_dn_decode(int64_t n, const int64_t *rows, const float *qkv, const flo
         free(buf);
     }
     free(mixed);
+    return failed ? -1 : 0;
+}
+
+/* ---- the chunked delta rule (prefill) ------------------------------------------------------ */
+
+typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int64_t m, int64_t n, int64_t k, float alpha,
+                               const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                               int64_t ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* Chunks of up to `chunk` tokens of one head, as kernels/deltanet.py's delta_rule_chunked computes
+ * them for all heads at once (there: the formulas), here with one thread per head, so the
+ * elementwise work stays in cache and threads meet once per call rather than once per operation.
+ * q/k [T, *] rows ldq/ldk apart (this head's dk values at the row's start), v rows ldv apart,
+ * g/beta rows ldg apart; S [dk, dv] updated in place; out rows ldo apart. */
+static void chunked_head(cblas_sgemm_fn gemm, int64_t T, int64_t dk, int64_t dv, int64_t chunk, const float *q,
+                         int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv, const float *g,
+                         const float *bt, int64_t ldg, float *S, float *out, int64_t ldo, float *ws) {
+    const float scale = (float)(1.0 / sqrt((double)dk));
+    const int64_t L2 = chunk * chunk;
+    float *kk = ws, *qk = kk + L2, *decay = qk + L2, *inv = decay + L2, *ab = inv + L2, *cum = ab + L2,
+          *fac = cum + chunk, *u = fac + chunk, *w = u + chunk * dv, *qd = w + chunk * dk, *kd = qd + chunk * dk;
+    for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const int64_t L = T - t0 < chunk ? T - t0 : chunk;
+        const float *Q = q + t0 * ldq, *K = k + t0 * ldk, *V = v + t0 * ldv, *G = g + t0 * ldg,
+                    *B = bt + t0 * ldg;
+        double acc = 0.0;                                /* torch's cumsum adds float32 in double */
+        for (int64_t i = 0; i < L; i++) cum[i] = (float)(acc += G[i * ldg]);
+        gemm(ROW_MAJOR, NO_TRANS, TRANS, L, L, dk, 1.0f, K, ldk, K, ldk, 0.0f, kk, L);
+        gemm(ROW_MAJOR, NO_TRANS, TRANS, L, L, dk, 1.0f, Q, ldq, K, ldk, 0.0f, qk, L);
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) {
+                const float d = j <= i ? exp_vec(cum[i] - cum[j]) : 0.0f;
+                decay[i * L + j] = d;
+                qk[i * L + j] *= d * scale;              /* intra-chunk attention */
+                kk[i * L + j] = j < i ? kk[i * L + j] * d * B[i * ldg] : 0.0f;
+            }
+        /* inv = (I + strictly_lower(kk))^-1, row by row (forward substitution) */
+        for (int64_t i = 0; i < L; i++) {
+            float *r = inv + i * L;
+            for (int64_t j = 0; j < L; j++) r[j] = j == i ? 1.0f : 0.0f;
+            for (int64_t m = 0; m < i; m++) {
+                const float f = -kk[i * L + m];
+                const float *rm = inv + m * L;
+                for (int64_t j = 0; j <= m; j++) r[j] += f * rm[j];
+            }
+        }
+        /* u = inv diag(beta) v,  w = inv diag(beta exp(cum)) k */
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) ab[i * L + j] = inv[i * L + j] * B[j * ldg];
+        gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, L, dv, L, 1.0f, ab, L, V, ldv, 0.0f, u, dv);
+        for (int64_t j = 0; j < L; j++) fac[j] = B[j * ldg] * exp_vec(cum[j]);
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) ab[i * L + j] = inv[i * L + j] * fac[j];
+        gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, L, dk, L, 1.0f, ab, L, K, ldk, 0.0f, w, dk);
+        /* q scaled by exp(cum) / sqrt(dk), k by the decay to the chunk's end */
+        for (int64_t i = 0; i < L; i++) {
+            const float fq = exp_vec(cum[i]) * scale, fk = exp_vec(cum[L - 1] - cum[i]);
+            for (int64_t j = 0; j < dk; j++) {
+                qd[i * dk + j] = Q[i * ldq + j] * fq;
+                kd[i * dk + j] = K[i * ldk + j] * fk;
+            }
+        }
+        /* v_new = u - w S (into u); out = q_dec S + intra v_new; S = exp(cum_last) S + k_dec^T v_new */
+        gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, L, dv, dk, -1.0f, w, dk, S, dv, 1.0f, u, dv);
+        float *O = out + t0 * ldo;
+        gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, L, dv, dk, 1.0f, qd, dk, S, dv, 0.0f, O, ldo);
+        gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, L, dv, L, 1.0f, qk, L, u, dv, 1.0f, O, ldo);
+        gemm(ROW_MAJOR, TRANS, NO_TRANS, dk, dv, L, 1.0f, kd, dk, u, dv, exp_vec(cum[L - 1]), S, dv);
+    }
+}
+
+/* The chunked delta rule over T tokens of H heads: q/k [T, H, dk] and v [T, H, dv] (rows ldq, ldk,
+ * ldv apart, heads contiguous), g/beta [T, H] (rows ldg apart), states [H, dk, dv] updated in
+ * place, out [T, H, dv] contiguous. q is scaled by 1/sqrt(dk) here. sgemm: a 64-bit-integer
+ * cblas_sgemm on one thread. Returns 0, or -1 when out of memory. */
+int raymoe_dn_chunked(void *sgemm, int64_t T, int64_t H, int64_t dk, int64_t dv, int64_t chunk, const float *q,
+                      int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv, const float *g,
+                      const float *beta, int64_t ldg, float *states, float *out) {
+    const cblas_sgemm_fn gemm = (cblas_sgemm_fn)sgemm;
+    const int64_t ws_floats = 5 * chunk * chunk + 2 * chunk + chunk * dv + 3 * chunk * dk;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *ws = malloc(sizeof(float) * ws_floats);
+        if (!ws) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < H; h++)
+            if (ws)
+                chunked_head(gemm, T, dk, dv, chunk, q + h * dk, ldq, k + h * dk, ldk, v + h * dv, ldv, g + h,
+                             beta + h, ldg, states + h * dk * dv, out + h * dv, H * dv, ws);
+        free(ws);
+    }
     return failed ? -1 : 0;
 }
