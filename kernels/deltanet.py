@@ -62,6 +62,10 @@ def library() -> ctypes.CDLL | None:
     lib.raymoe_dn_decode.restype = ctypes.c_int
     lib.raymoe_dn_chunked.argtypes = [p, i, i, i, i, i, p, i, p, i, p, i, p, p, i, p, p]
     lib.raymoe_dn_chunked.restype = ctypes.c_int
+    lib.raymoe_dn_heads.argtypes = [i, p, i, i, i, i, p, p]
+    lib.raymoe_dn_heads.restype = None
+    lib.raymoe_dn_gated_norm.argtypes = [i, i, i, p, p, i, p, ctypes.c_float, p]
+    lib.raymoe_dn_gated_norm.restype = None
     lib.sgemm = native._numpy_sgemm()
     return lib
 
@@ -240,6 +244,11 @@ class GatedDeltaNet:
         """Split conv output [n, C] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
         n, nk, dk = mixed.shape[0], self.n_k_heads, self.k_head_dim
         q, k, v = mixed.split([nk * dk, nk * dk, self.n_v_heads * self.v_head_dim], dim=-1)
+        if _compiled(mixed) and mixed.dim() == 2 and mixed.stride(1) == 1:
+            q, k = (torch.empty(n, self.n_v_heads, dk) for _ in range(2))
+            library().raymoe_dn_heads(n, mixed.data_ptr(), mixed.stride(0), nk, self.n_v_heads, dk, q.data_ptr(),
+                                      k.data_ptr())
+            return q, k, v.reshape(n, self.n_v_heads, self.v_head_dim)
         # tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave)
         repeat = self.n_v_heads // nk
         q = l2norm(q.reshape(n, nk, dk)).repeat(1, repeat, 1)
@@ -253,6 +262,11 @@ class GatedDeltaNet:
 
     def output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The out projection's input [n, H_v * dv] from the delta rule's y [n, H_v, dv]."""
+        if _compiled(y, z, self.norm) and z.dim() == 2 and z.stride(-1) == 1 and self.norm.is_contiguous():
+            y, out = y.contiguous(), torch.empty(y.shape[0], self.n_v_heads * self.v_head_dim)
+            library().raymoe_dn_gated_norm(y.shape[0], self.n_v_heads, self.v_head_dim, y.data_ptr(), z.data_ptr(),
+                                           z.stride(0), self.norm.data_ptr(), self.eps, out.data_ptr())
+            return out
         return gated_rms_norm(y, z.reshape(y.shape), self.norm, self.eps).reshape(y.shape[0], -1)
 
     def decode(self, qkv, z, beta, alpha, rows: list[int], conv_states, states, out: torch.Tensor) -> None:

@@ -181,3 +181,16 @@ def test_chunked_delta_rule_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_prefill_heads_and_output_norm_match_torch(torch_glue):
+    """A prefill's q/k L2 norm with the V-head repeat, and the gated output norm (z: columns of the
+    projections' matrix)."""
+    net = layer()
+    g = torch.Generator().manual_seed(7)
+    mixed = torch.randn(13, net.conv.shape[0], generator=g) * 2
+    for got, want in zip(net.heads(mixed), torch_glue(net.heads, mixed)):
+        assert got.shape == want.shape and torch.allclose(got, want, **STEP_TOL)
+    y, z = torch.randn(13, 6, 24, generator=g), torch.randn(13, 6 * 24 + 3, generator=g)[:, 3:]
+    got, want = net.output(y, z), torch_glue(net.output, y, z)
+    assert got.shape == want.shape == (13, 6 * 24) and torch.allclose(got, want, **STEP_TOL)

@@ -4,6 +4,7 @@
  *   raymoe_dn_decode   one token of each of n sequences, from the input projections to the input of
  *                      the out projection: conv (state updated), q/k L2 norm, gates, the delta rule
  *                      on each head's state in place, and the gated RMSNorm with z
+ *   raymoe_dn_heads, raymoe_dn_gated_norm   a prefill's q/k L2 norm and output norm
  *   raymoe_dn_chunked  the chunked delta rule of a prefill, one thread per head; its products by
  *                      a single-threaded sgemm (numpy's OpenBLAS) the caller passes
  *
@@ -52,6 +53,20 @@ static float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
     for (int l = 0; l < VL; l++) s += lanes[l];
     return s;
+}
+
+/* x * rsqrt(|x|^2 + 1e-6) * scale, as _l2norm and then the q scale (1 for k) */
+static void l2norm_scaled(const float *x, int64_t n, float scale, float *out) {
+    const float r = 1.0f / sqrtf(dot(x, x, n) + 1e-6f);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r;
+    if (scale != 1.0f)
+        for (int64_t i = 0; i < n; i++) out[i] *= scale;
+}
+
+/* out = rms_norm(y) * w * silu(z) = y * rsqrt(mean(y^2) + eps) * w * silu(z); out may be y */
+static void gated_norm(const float *y, const float *z, const float *w, float eps, int64_t n, float *out) {
+    const float r = 1.0f / sqrtf(dot(y, y, n) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = y[j] * r * w[j] * silu(z[j]);
 }
 
 /* Rows [t0, t1) and channels [c0, c1) of one sequence's conv: x row t at x + t * ldx, state [K-1, C]
@@ -138,12 +153,7 @@ int raymoe_dn_decode(int64_t n, const int64_t *rows, const float *qkv, const flo
             float *cs = conv_states + i * (K - 1) * C;
             conv_rows(x, ld, cs, C, conv_wt, K, 0, 1, c0, c1, m, C);
             conv_state(x, ld, 1, cs, C, K, c0, c1, cs);
-            if (h < 2 * nk) {
-                const float r = 1.0f / sqrtf(dot(m + c0, m + c0, dk) + 1e-6f);
-                for (int64_t c = c0; c < c1; c++) m[c] *= r;
-                if (h < nk)
-                    for (int64_t c = c0; c < c1; c++) m[c] *= scale;
-            }
+            if (h < 2 * nk) l2norm_scaled(m + c0, dk, h < nk ? scale : 1.0f, m + c0);
         }
         /* the delta rule and the gated norm per (sequence, V head) */
         float *buf = malloc(sizeof(float) * 3 * dv);
@@ -182,15 +192,42 @@ int raymoe_dn_decode(int64_t n, const int64_t *rows, const float *qkv, const flo
                 const float kr = k[r];
                 for (int64_t j = 0; j < dv; j++) Sr[j] = Sr[j] * decay + kr * delta[j];
             }
-            /* y * rsqrt(mean(y^2) + eps) * w * silu(z) */
-            const float r = 1.0f / sqrtf(dot(y, y, dv) / (float)dv + eps);
-            const float *zh = z + row * ld + h * dv;
-            for (int64_t j = 0; j < dv; j++) y[j] = y[j] * r * norm_w[j] * silu(zh[j]);
+            gated_norm(y, z + row * ld + h * dv, norm_w, eps, dv, y);
         }
         free(buf);
     }
     free(mixed);
     return failed ? -1 : 0;
+}
+
+/* ---- the glue of a prefill ----------------------------------------------------------------- */
+
+/* T tokens' conv outputs mixed [T, 2 * nk * dk + ...] (rows ld apart) -> q, k [T, nv, dk]: each K
+ * head L2-normalised (q not scaled: the delta rule scales it) and repeated for its V heads
+ * (V head h reads K head h % nk). */
+void raymoe_dn_heads(int64_t T, const float *mixed, int64_t ld, int64_t nk, int64_t nv, int64_t dk, float *q,
+                     float *k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nk; h++) {
+            float *qt = q + (t * nv + h) * dk, *kt = k + (t * nv + h) * dk;
+            l2norm_scaled(mixed + t * ld + h * dk, dk, 1.0f, qt);
+            l2norm_scaled(mixed + t * ld + (nk + h) * dk, dk, 1.0f, kt);
+            for (int64_t r = h + nk; r < nv; r += nk)
+                for (int64_t j = 0; j < dk; j++) {
+                    qt[(r - h) * dk + j] = qt[j];
+                    kt[(r - h) * dk + j] = kt[j];
+                }
+        }
+}
+
+/* out [T, nv * dv] = rms_norm(y) * w * silu(z) per head; y [T, nv * dv] contiguous, z rows ldz apart */
+void raymoe_dn_gated_norm(int64_t T, int64_t nv, int64_t dv, const float *y, const float *z, int64_t ldz,
+                          const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nv; h++)
+            gated_norm(y + (t * nv + h) * dv, z + t * ldz + h * dv, w, eps, dv, out + (t * nv + h) * dv);
 }
 
 /* ---- the chunked delta rule (prefill) ------------------------------------------------------ */
