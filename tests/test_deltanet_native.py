@@ -148,16 +148,17 @@ def test_decode_rejects_caches_of_the_wrong_shape():
         net.decode(*projections(net, 3, 0), [0, 1, 2], conv, state, torch.empty(3, 6 * 24))
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 64), (37, 16), (64, 64), (150, 64)])
-def test_chunked_delta_rule_matches_torch_and_recurrent(torch_glue, T, chunk):
+@pytest.mark.parametrize("T,chunk,strength", [(1, 64, 2), (37, 16, 2), (64, 64, 2), (150, 64, 2), (150, 64, 40)])
+def test_chunked_delta_rule_matches_torch_and_recurrent(torch_glue, T, chunk, strength):
     """The compiled chunked form (one thread per head, partial last chunk) against the torch
-    chunked form and the token-by-token recurrence; v as rows of a wider matrix, as the model's."""
+    chunked form and the token-by-token recurrence; v as rows of a wider matrix, as the model's.
+    Strength 40: decays far into float32's underflow, where the C flushes denormals to zero."""
     g = torch.Generator().manual_seed(T)
     H, dk, dv = 4, 16, 24
     q = F.normalize(torch.randn(T, H, dk, generator=g), dim=-1)
     k = F.normalize(torch.randn(T, H, dk, generator=g), dim=-1)
     v = torch.randn(T, H * dv + 5, generator=g)[:, 5:].view(T, H, dv)
-    decay, beta = -torch.rand(T, H, generator=g) * 2, torch.rand(T, H, generator=g)
+    decay, beta = -torch.rand(T, H, generator=g) * strength, torch.rand(T, H, generator=g)
     state = torch.randn(H, dk, dv, generator=g)
     y, s = dn.delta_rule_chunked(q, k, v, decay, beta, state, chunk)
     ref_y, ref_s = torch_glue(dn.delta_rule_chunked, q, k, v, decay, beta, state, chunk)
@@ -194,3 +195,23 @@ def test_prefill_heads_and_output_norm_match_torch(torch_glue):
     y, z = torch.randn(13, 6, 24, generator=g), torch.randn(13, 6 * 24 + 3, generator=g)[:, 3:]
     got, want = net.output(y, z), torch_glue(net.output, y, z)
     assert got.shape == want.shape == (13, 6 * 24) and torch.allclose(got, want, **STEP_TOL)
+
+
+def test_calls_leave_the_threads_floating_point_mode_alone():
+    """The kernels flush denormals only while they run: torch's arithmetic after them keeps them,
+    on the calling thread and on OpenMP's workers."""
+    threads = torch.get_num_threads()
+    net = layer()
+    conv, state = caches(net, 2, 0)
+    g = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(40, 6, 16, generator=g), dim=-1) for _ in range(2))
+    try:
+        torch.set_num_threads(2)
+        net.decode(*projections(net, 2, 0), [0, 1], conv, state, torch.empty(2, 6 * 24))
+        dn.delta_rule_chunked(q, k, torch.randn(40, 6, 8, generator=g), -torch.rand(40, 6, generator=g) * 40,
+                              torch.rand(40, 6, generator=g), torch.zeros(6, 16, 8))
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert (torch.full((1 << 16,), 1e-30) * 1e-10 != 0).all()     # 1e-40: a denormal
+    finally:
+        torch.set_num_threads(threads)
