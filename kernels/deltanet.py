@@ -6,15 +6,73 @@ Per V-head state S [dk, dv] (float32), per token:
 same thing 64 tokens at a time with the WY / triangular-solve form (prefill).
 Inputs q/k must already be L2-normalised and expanded to one head per V head.
 
-On CUDA the Triton kernels (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head
-sizes they fit (powers of two; the chunked form needs them and the chunk at least 16).
+`GatedDeltaNet` holds a layer's small parameters and computes its glue around these: the q/k/v
+split, the gates, the gated output norm, and `decode`, one token of several sequences at once.
+
+On the CPU the compiled library (kernels/csrc/deltanet.c, built by kernels/native.py's machinery)
+runs the conv, the whole decode step and the chunked form (with numpy's OpenBLAS sgemm) in one
+call each; `library()` is None without a compiler (or with RAYMOE_NATIVE=0), and then torch
+computes them (the chunked form also when numpy's BLAS is not scipy-openblas). On CUDA the Triton kernels
+(kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head sizes they fit
+(powers of two; the chunked form needs them and the chunk at least 16).
 """
 from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .gpu_ops import use_triton
+from .norms import gated_rms_norm
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "deltanet.c"
+# no fused multiply-adds: the C rounds step by step as torch's separate operations do; sqrtf inline
+EXTRA_FLAGS = ("-ffp-contract=off", "-fno-math-errno")
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled DeltaNet kernels for this machine, or None where they can't be built here (the
+    reason is logged once)."""
+    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
+        return None
+    cc = native.compiler()
+    if cc is None:
+        log.warning("no C compiler found: the DeltaNet glue runs as torch operations")
+        return None
+    try:
+        lib = ctypes.CDLL(str(native._build(cc, SOURCE, None, EXTRA_FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("DeltaNet kernels unavailable (%s): the glue runs as torch operations", e)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.raymoe_dn_conv.argtypes = [i, i, i, p, i, i, p, i, p, p, p]
+    lib.raymoe_dn_conv.restype = None
+    lib.raymoe_dn_decode.argtypes = [i, p, p, p, p, p, i, p, i, p, p, p, p, p, ctypes.c_float, i, i, i, i, p, i]
+    lib.raymoe_dn_decode.restype = ctypes.c_int
+    lib.raymoe_dn_chunked.argtypes = [p, i, i, i, i, i, p, i, p, i, p, i, p, p, i, p, p]
+    lib.raymoe_dn_chunked.restype = ctypes.c_int
+    lib.raymoe_dn_heads.argtypes = [i, p, i, i, i, i, p, p]
+    lib.raymoe_dn_heads.restype = None
+    lib.raymoe_dn_gated_norm.argtypes = [i, i, i, p, p, i, p, ctypes.c_float, p]
+    lib.raymoe_dn_gated_norm.restype = None
+    lib.sgemm = native._numpy_sgemm()
+    return lib
+
+
+def _compiled(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels take these: float32 CPU tensors, and the library is here."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and library() is not None
 
 
 def _gpu(op: str, q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
@@ -32,11 +90,26 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     if use_triton("conv1d", x) and x.dtype == torch.float32:
         from .triton import deltanet
         return deltanet.causal_conv1d(x, weight.float(), state.float())
+    if x.dim() in (2, 3) and _compiled(x, weight, state):
+        return _conv_compiled(x, weight, state)
     kernel = weight.shape[1]
     full = torch.cat((state.to(x.dtype), x), dim=-2)                # [..., T+K-1, C]
     windows = full.unfold(-2, kernel, 1)                              # [..., T, C, K]
     y = (windows * weight.to(x.dtype)).sum(-1)
     return F.silu(y), full[..., full.shape[-2] - (kernel - 1):, :].clone()
+
+
+def _conv_compiled(x, weight, state):
+    n, (T, C), K = (x.shape[0] if x.dim() == 3 else 1), x.shape[-2:], weight.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    state, taps = state.contiguous(), weight.t().contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    new_state = torch.empty(state.shape, dtype=torch.float32)
+    ld_n = x.stride(0) if x.dim() == 3 else 0
+    library().raymoe_dn_conv(n, T, C, x.data_ptr(), ld_n, x.stride(-2), taps.data_ptr(), K, state.data_ptr(),
+                             y.data_ptr(), new_state.data_ptr())
+    return y, new_state
 
 
 def delta_rule_step(q, k, v, g, beta, state):
@@ -76,41 +149,158 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """Same contract as `delta_rule_recurrent`, computed chunk by chunk (WY representation)."""
+    """Same contract as `delta_rule_recurrent`, computed chunk by chunk (WY representation).
+
+    Big elementwise passes are what a CPU spends its time on besides the products (measured at
+    T=512, 32 heads of 128: 120 -> 65 ms on one thread), so scales fold into small factors, the
+    triangular system is inverted once per chunk rather than solved for two right-hand sides, and
+    the state is updated in place."""
     if _gpu("delta_rule", q, v, state) and min(q.shape[-1], v.shape[-1], chunk) >= 16:
         from .triton import deltanet
         return deltanet.delta_rule_chunked(q.float(), k.float(), v.float(), g.float(), beta.float(), state, chunk)
+    if _compiled(q, k, v, g, beta, state) and library().sgemm is not None:
+        return _chunked_compiled(q, k, v, g, beta, state, chunk)
     T, H, dk = q.shape
     dv = v.shape[-1]
-    pad = (-T) % chunk
-    # -> [H, n_chunks, chunk, *] in float32; zero padding leaves the state untouched (beta = 0, g = 0).
-    def prep(t, width):
-        t = t.float().transpose(0, 1)
-        t = F.pad(t, (0, 0, 0, pad)) if width else F.pad(t, (0, pad))
-        return t.reshape(H, -1, chunk, width) if width else t.reshape(H, -1, chunk)
-    q, k, v = prep(q * dk ** -0.5, dk), prep(k, dk), prep(v, dv)
-    g, beta = prep(g, 0), prep(beta, 0)
-    n_chunks = q.shape[1]
+    n = -(-T // chunk)
+    # -> [n_chunks, H, chunk, *] float32, contiguous: a chunk's slice is contiguous for the batched
+    # products. Zero padding leaves the state untouched (beta = 0, g = 0).
+    def chunks(t):
+        t = t.float()
+        if T % chunk:
+            t = torch.cat((t, t.new_zeros(n * chunk - T, *t.shape[1:])))
+        return t.reshape(n, chunk, *t.shape[1:]).transpose(1, 2).contiguous()
+    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
 
     cum = g.cumsum(-1)                                                # log decay from chunk start
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    # Lower unit-triangular system (I + strictly_lower(beta k k^T decay)) solved once per chunk.
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    lower = torch.tril(system, -1) + torch.eye(chunk, device=q.device)
-    u = torch.linalg.solve_triangular(lower, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(lower, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay                          # causal in-chunk attention
-    q_dec = q * cum.exp()[..., None]
-    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    # The lower unit-triangular system L = I + strictly_lower(diag(beta) k k^T decay), inverted
+    # once per chunk (small): u = L^-1 diag(beta) v, w = L^-1 diag(beta exp(cum)) k.
+    eye = torch.eye(chunk, device=q.device)
+    lower = torch.tril((k @ k.transpose(-1, -2)) * decay * beta[..., None], -1) + eye
+    inv = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
+    u = (inv * beta[..., None, :]) @ v
+    w = (inv * (beta * cum.exp())[..., None, :]) @ k
+    scale = dk ** -0.5
+    intra = (q @ k.transpose(-1, -2)) * (decay * scale)                # causal in-chunk attention
+    q_dec = q * (cum.exp() * scale)[..., None]
+    k_dec = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
     S = state.float().clone()
-    out = torch.empty(H, n_chunks, chunk, dv, device=q.device)
-    for c in range(n_chunks):
-        v_new = u[:, c] - w[:, c] @ S
-        out[:, c] = q_dec[:, c] @ S + intra[:, c] @ v_new
-        S = S * chunk_decay[:, c] + k_dec[:, c].transpose(-1, -2) @ v_new
-    out = out.reshape(H, -1, dv)[:, :T].transpose(0, 1)
+    out = torch.empty(n, H, chunk, dv, device=q.device)
+    for c in range(n):
+        v_new = torch.baddbmm(u[c], w[c], S, alpha=-1)
+        torch.bmm(q_dec[c], S, out=out[c])
+        out[c].baddbmm_(intra[c], v_new)
+        S.mul_(chunk_decay[c]).baddbmm_(k_dec[c], v_new)
+    return out.transpose(1, 2).reshape(n * chunk, H, dv)[:T], S
+
+
+def _chunked_compiled(q, k, v, g, beta, state, chunk):
+    """The compiled chunked form: one thread per head, products by numpy's OpenBLAS on that thread."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    def rows(t):        # heads side by side in a row, rows at any stride
+        return t if t.stride(-1) == 1 and (t.dim() == 2 or t.stride(-2) == t.shape[-1]) else t.contiguous()
+    q, k, v, g, beta = (rows(t) for t in (q, k, v, g, beta))
+    if g.stride(0) != beta.stride(0):
+        g, beta = g.contiguous(), beta.contiguous()
+    S = state.float().contiguous().clone()
+    out = torch.empty(T, H, dv)
+    lib = library()
+    if lib.raymoe_dn_chunked(lib.sgemm, T, H, dk, dv, chunk, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                             v.data_ptr(), v.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0), S.data_ptr(),
+                             out.data_ptr()):
+        raise MemoryError("chunked delta rule: out of memory")
     return out, S
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@dataclass
+class GatedDeltaNet:
+    """A Gated DeltaNet layer's small parameters (float32): conv taps [C, K], a = -exp(A_log) and
+    dt_bias [n_v_heads], the output norm's weight [v_head_dim]; and its head sizes. V head vh
+    reads K head vh % n_k_heads (tiled order)."""
+    conv: torch.Tensor
+    a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self):
+        self.taps = self.conv.t().contiguous()        # [K, C], as the compiled decode step reads them
+
+    def heads(self, mixed: torch.Tensor):
+        """Split conv output [n, C] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
+        n, nk, dk = mixed.shape[0], self.n_k_heads, self.k_head_dim
+        q, k, v = mixed.split([nk * dk, nk * dk, self.n_v_heads * self.v_head_dim], dim=-1)
+        if _compiled(mixed) and mixed.dim() == 2 and mixed.stride(1) == 1:
+            q, k = (torch.empty(n, self.n_v_heads, dk) for _ in range(2))
+            library().raymoe_dn_heads(n, mixed.data_ptr(), mixed.stride(0), nk, self.n_v_heads, dk, q.data_ptr(),
+                                      k.data_ptr())
+            return q, k, v.reshape(n, self.n_v_heads, self.v_head_dim)
+        # tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave)
+        repeat = self.n_v_heads // nk
+        q = l2norm(q.reshape(n, nk, dk)).repeat(1, repeat, 1)
+        k = l2norm(k.reshape(n, nk, dk)).repeat(1, repeat, 1)
+        return q, k, v.reshape(n, self.n_v_heads, self.v_head_dim)
+
+    def gates(self, beta: torch.Tensor, alpha: torch.Tensor):
+        """(g, beta) per token and V head from the projections: log decay a * softplus(alpha + dt_bias)
+        and the write strength sigmoid(beta)."""
+        return self.a * F.softplus(alpha.float() + self.dt_bias), torch.sigmoid(beta.float())
+
+    def output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The out projection's input [n, H_v * dv] from the delta rule's y [n, H_v, dv]."""
+        if _compiled(y, z, self.norm) and z.dim() == 2 and z.stride(-1) == 1 and self.norm.is_contiguous():
+            y, out = y.contiguous(), torch.empty(y.shape[0], self.n_v_heads * self.v_head_dim)
+            library().raymoe_dn_gated_norm(y.shape[0], self.n_v_heads, self.v_head_dim, y.data_ptr(), z.data_ptr(),
+                                           z.stride(0), self.norm.data_ptr(), self.eps, out.data_ptr())
+            return out
+        return gated_rms_norm(y, z.reshape(y.shape), self.norm, self.eps).reshape(y.shape[0], -1)
+
+    def decode(self, qkv, z, beta, alpha, rows: list[int], conv_states, states, out: torch.Tensor) -> None:
+        """One token of each of n sequences: row rows[i] of the projections qkv [*, C], z [*, H_v * dv],
+        beta and alpha [*, H_v] is sequence i's; its caches, conv_states [n, K-1, C] and states
+        [n, H_v, dk, dv] (contiguous), are updated in place. Writes out[rows] (the out
+        projection's input)."""
+        n, C, K = len(rows), self.conv.shape[0], self.conv.shape[1]
+        if conv_states.shape != (n, K - 1, C) or \
+                states.shape != (n, self.n_v_heads, self.k_head_dim, self.v_head_dim):
+            raise ValueError(f"caches {tuple(conv_states.shape)}, {tuple(states.shape)} do not fit {n} sequences")
+        parts = (qkv, z, beta, alpha)
+        if _compiled(*parts, conv_states, states, out, self.taps, self.a, self.dt_bias, self.norm) and \
+                _same_rows(parts) and out.stride(-1) == 1 and all(t.is_contiguous() for t in (
+                    conv_states, states, self.taps, self.a, self.dt_bias, self.norm)):
+            index = torch.tensor(rows, dtype=torch.int64)
+            failed = library().raymoe_dn_decode(
+                n, index.data_ptr(), *(t.data_ptr() for t in parts), qkv.stride(0), self.taps.data_ptr(),
+                K, conv_states.data_ptr(), states.data_ptr(), self.a.data_ptr(),
+                self.dt_bias.data_ptr(), self.norm.data_ptr(), self.eps, self.n_k_heads, self.n_v_heads,
+                self.k_head_dim, self.v_head_dim, out.data_ptr(), out.stride(0))
+            if failed:
+                raise MemoryError("DeltaNet decode step: out of memory")
+            return
+        idx = torch.tensor(rows, device=qkv.device)
+        g, beta = self.gates(beta[idx], alpha[idx])
+        mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, conv_states)
+        conv_states.copy_(conv)
+        q, k, v = self.heads(mixed[:, 0])
+        y = delta_rule_step(q * self.k_head_dim ** -0.5, k, v.float(), g, beta, states)
+        out[idx] = self.output(y, z[idx])
+
+
+def _same_rows(parts) -> bool:
+    """Column slices of one [n, *] matrix (the stacked projections): one row stride, contiguous rows."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == parts[0].stride(0) for t in parts)
+

@@ -77,8 +77,9 @@ class DeltaNetCache:
     def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype, device=None):
         self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype, device=device)
         self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32, device=device)
-        # batched decode: `state` is row `stacked_index` of `stacked` while it is `stacked_view`
-        self.stacked = self.stacked_view = self.stacked_index = None
+        # batched decode: (conv stack, state stack, i, conv row, state row): `conv` and `state` are
+        # row i of the stacks while they are these rows
+        self.stacked = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))

@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
+from kernels.deltanet import GatedDeltaNet, causal_conv1d, delta_rule_chunked, delta_rule_recurrent
 from kernels.linear import linear
 from kernels.moe import route_softmax_topk
-from kernels.norms import gated_rms_norm
 from kernels.rope import inv_frequencies
 
 from .attention import Attention, AttentionSpec
@@ -153,83 +151,61 @@ def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int, length: int | None = None) -
     return DeltaNetCache.bytes_for(cfg.conv_kernel, cfg.conv_dim, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim)
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 class DeltaNetMixer:
     def __init__(self, cfg: Qwen35MoeConfig, w, p: str):
         self.cfg = cfg
         # The four projections of the input are stacked into one product (fewer, larger products).
         self.inputs = w.matrices([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
                                   p + "ssm_alpha.weight"], 0)
-        self.conv = w(p + "ssm_conv1d.weight")
-        self.dt_bias = w(p + "ssm_dt.bias")
-        self.a = w(p + "ssm_a")
-        self.norm = w(p + "ssm_norm.weight")
+        self.net = GatedDeltaNet(w(p + "ssm_conv1d.weight"), w(p + "ssm_a"), w(p + "ssm_dt.bias"),
+                                 w(p + "ssm_norm.weight"), cfg.rms_eps, cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim,
+                                 cfg.v_head_dim)
         self.out = w.matrix(p + "ssm_out.weight")
 
     def new_cache(self):
-        c = self.cfg
-        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, self.conv.dtype,
-                             self.conv.device)
-
-    def _heads(self, mixed: torch.Tensor):
-        """Split conv output [n, conv_dim] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
-        c, n = self.cfg, mixed.shape[0]
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        # Tiled V-head order: V head vh reads K head vh % n_k_heads, i.e. repeat (not interleave).
-        repeat = c.n_v_heads // c.n_k_heads
-        q = _l2norm(q.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
-        k = _l2norm(k.reshape(n, c.n_k_heads, c.k_head_dim)).repeat(1, repeat, 1)
-        return q, k, v.reshape(n, c.n_v_heads, c.v_head_dim)
+        c, conv = self.cfg, self.net.conv
+        return DeltaNetCache(c.conv_kernel, c.conv_dim, c.n_v_heads, c.k_head_dim, c.v_head_dim, conv.dtype,
+                             conv.device)
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
-        c = self.cfg
+        c, net = self.cfg, self.net
         qkv, z, beta, alpha = linear(x, self.inputs).split([c.conv_dim, c.value_dim, c.n_v_heads, c.n_v_heads], dim=-1)
-        beta, alpha = torch.sigmoid(beta.float()), alpha.float()
-        g = self.a * F.softplus(alpha + self.dt_bias)
-        y = torch.empty(x.shape[0], c.n_v_heads, c.v_head_dim, device=x.device)
+        y = torch.empty(x.shape[0], c.value_dim, device=x.device)       # the out projection's input
         singles = []
         for sid, rows, _ in ctx.batch.segments():
             cache = ctx.caches[sid][layer]
             if rows.stop - rows.start == 1:
                 singles.append((rows.start, cache))
                 continue
-            mixed, cache.conv = causal_conv1d(qkv[rows], self.conv, cache.conv)
-            q, k, v = self._heads(mixed)
+            mixed, cache.conv = causal_conv1d(qkv[rows], net.conv, cache.conv)
+            q, k, v = net.heads(mixed)
+            g, b = net.gates(beta[rows], alpha[rows])
             rule = delta_rule_chunked if mixed.shape[0] >= CHUNKED_PREFILL_MIN else delta_rule_recurrent
-            y[rows], cache.state = rule(q, k, v, g[rows], beta[rows], cache.state)
+            out, cache.state = rule(q, k, v, g, b, cache.state)
+            y[rows] = net.output(out, z[rows])
         if singles:
-            self._decode_step(qkv, g, beta, singles, y)
-        y = gated_rms_norm(y.to(x.dtype), z.reshape(y.shape), self.norm, c.rms_eps)
-        return linear(y.reshape(x.shape[0], c.value_dim), self.out)
-
-    def _decode_step(self, qkv, g, beta, singles, y):
-        """One token for each of several sequences at once, their states stacked."""
-        idx = torch.tensor([row for row, _ in singles], device=qkv.device)
-        caches = [cache for _, cache in singles]
-        mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, torch.stack([ch.conv for ch in caches]))
-        q, k, v = self._heads(mixed[:, 0])
-        y[idx] = delta_rule_step(q * self.cfg.k_head_dim ** -0.5, k, v.float(), g[idx], beta[idx],
-                                 self._stacked_states(caches))
-        for i, ch in enumerate(caches):
-            ch.conv = conv[i]
+            # one token of each of these sequences at once, their caches stacked
+            conv, state = self._stacked_caches([cache for _, cache in singles])
+            net.decode(qkv, z, beta, alpha, [row for row, _ in singles], conv, state, y)
+        return linear(y, self.out)
 
     @staticmethod
-    def _stacked_states(caches) -> torch.Tensor:
-        """The caches' states as one tensor [n, H, dk, dv] that each cache then holds a view of:
-        while the same sequences keep decoding together, later steps find them stacked already."""
-        stacked = caches[0].stacked
-        if stacked is None or stacked.shape[0] != len(caches) or \
-                any(ch.stacked is not stacked or ch.state is not ch.stacked_view or ch.stacked_index != i
-                    for i, ch in enumerate(caches)):
-            stacked = torch.stack([ch.state for ch in caches])
+    def _stacked_caches(caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches' conv inputs and states as tensors [n, K-1, C] and [n, H, dk, dv] that each cache
+        then holds rows of: while the same sequences keep decoding together, later steps find them
+        stacked already."""
+        first = caches[0].stacked
+        def row_of(ch, i):
+            s = ch.stacked      # (conv stack, state stack, row, conv row, state row)
+            return s is not None and s[0] is first[0] and s[1] is first[1] and s[2] == i and \
+                ch.conv is s[3] and ch.state is s[4]
+        if first is None or first[0].shape[0] != len(caches) or not all(row_of(ch, i) for i, ch in enumerate(caches)):
+            conv, state = torch.stack([ch.conv for ch in caches]), torch.stack([ch.state for ch in caches])
             for i, ch in enumerate(caches):
-                ch.state = ch.stacked_view = stacked[i]
-                ch.stacked, ch.stacked_index = stacked, i
-        return stacked
+                ch.conv, ch.state = conv[i], state[i]
+                ch.stacked = (conv, state, i, ch.conv, ch.state)
+            return conv, state
+        return first[0], first[1]
 
 
 def build_layer(cfg: Qwen35MoeConfig, w, i: int, remote_experts=None) -> Block:

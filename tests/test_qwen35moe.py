@@ -55,6 +55,15 @@ def test_greedy_continuation_matches_transformers(hf_model, gguf_path, prompt, p
     assert_greedy_matches(files, hf_model[1], prompt[:20])
 
 
+def test_torch_glue_matches_transformers(hf_model, prompt, monkeypatch):
+    """Without the compiled DeltaNet kernels (no compiler) the torch operations compute the layers."""
+    import kernels.deltanet as dn
+    monkeypatch.setattr(dn, "library", lambda: None)
+    files = open_model(hf_model[0])
+    assert_prompt_logprobs_match(run(files, prompt, prompt_logprobs=5), hf_logprobs(hf_model[1], prompt), TOL)
+    assert_greedy_matches(files, hf_model[1], prompt[:20])
+
+
 def test_prefill_then_decode_equals_full_forward(hf_model, prompt):
     files = open_model(hf_model[0])
     full = run(files, prompt, prompt_logprobs=3)
