@@ -145,7 +145,7 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
     groups = _check_groups(x, raw, ggml_type, k, groups, out)
     if not groups:
         return
-    _status(_lib().raymoe_blocks_grouped(int(ggml_type), int(bool(quantize_activations)), x.data_ptr(), x.shape[0],
+    _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), x.shape[0],
                                          x.stride(0), raw.data_ptr(), raw.stride(0), _table(groups), len(groups),
                                          raw.shape[1], k, out.data_ptr(), out.stride(0)))
 

@@ -39,15 +39,24 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
 #define NR 4              /* weight rows per parallel work item */
 #define TILE 64           /* weight rows dequantised at once for many-row products */
 /* Far enough ahead in the weight stream that the lines arrive before use (few_rows.c measured
- * 4-16 KB best here; the hardware prefetcher alone is slower). */
+ * 4-16 KB best here; the hardware prefetcher alone is slower). Each line is prefetched twice:
+ * PREFETCH_BYTES ahead into L2 only (prefetcht2), then NEAR_BYTES ahead into L1: measured here,
+ * 5-15% faster from memory at one thread than one prefetcht0 per line 8 KB ahead (the far
+ * requests hold no L1 fill buffer for the whole trip from memory). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+#endif
+#ifndef NEAR_BYTES
+#define NEAR_BYTES 2048
 #endif
 
 /* Prefetches the lines from next up to PREFETCH_BYTES past end, as the stream reaches end: one
  * line at a time between the work (a burst of prefetches stalls on the line fill buffers). */
 static inline const uint8_t *prefetch_ahead(const uint8_t *next, const uint8_t *end) {
-    for (; next < end + PREFETCH_BYTES; next += 64) __builtin_prefetch(next);
+    for (; next < end + PREFETCH_BYTES; next += 64) {
+        __builtin_prefetch(next, 0, 1);
+        __builtin_prefetch(next - (PREFETCH_BYTES - NEAR_BYTES), 0, 3);
+    }
     return next;
 }
 
