@@ -138,8 +138,8 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
                     out: torch.Tensor, quantize_activations: bool) -> None:
     """For each (g, a, b) in groups: out[a:b] = x[a:b] @ deq(raw[g]).T.
 
-    x float32 [M, k], raw uint8 [G, N, row_bytes], out float32 [M, N] (last dimensions
-    contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
+    x float32 [M, k], raw uint8 [G, N, row_bytes] (or [N, row_bytes]: one weight, g = 0), out
+    float32 [M, N] (last dimensions contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
     products); otherwise float32 activations times the exact weights. Float weights are always
     multiplied exactly."""
     groups = _check_groups(x, raw, ggml_type, k, groups, out)
@@ -147,7 +147,7 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
         return
     _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), x.shape[0],
                                          x.stride(0), raw.data_ptr(), raw.stride(0), _table(groups), len(groups),
-                                         raw.shape[1], k, out.data_ptr(), out.stride(0)))
+                                         raw.shape[-2], k, out.data_ptr(), out.stride(0)))
 
 
 def _table(groups: list[tuple[int, int, int]]):
@@ -157,10 +157,11 @@ def _table(groups: list[tuple[int, int, int]]):
 
 
 def _check_groups(x, raw, ggml_type, k, groups, out) -> list[tuple[int, int, int]]:
-    """The non-empty groups, after checking every argument."""
-    _check_raw(raw, ggml_type, k, 3)
+    """The non-empty groups, after checking every argument. raw [G, N, row_bytes], or [N, row_bytes]
+    for one weight."""
+    _check_raw(raw, ggml_type, k, 2 if raw.dim() == 2 else 3)
     _check_rows(x, "x", None, k)
-    g_count, n, _ = raw.shape
+    g_count, n = (raw.shape[0] if raw.dim() == 3 else 1), raw.shape[-2]
     m = x.shape[0]
     _check_rows(out, "out", m, n)
     kept = []
@@ -183,7 +184,7 @@ def grouped_many_rows(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int
     if not groups:
         return
     _status(_lib().raymoe_blocks_grouped_many(int(ggml_type), x.data_ptr(), x.shape[0], x.stride(0), raw.data_ptr(),
-                                              raw.stride(0), _table(groups), len(groups), raw.shape[1], k,
+                                              raw.stride(0), _table(groups), len(groups), raw.shape[-2], k,
                                               out.data_ptr(), out.stride(0)))
 
 

@@ -274,6 +274,22 @@ def test_strided_rows():
     assert torch.equal(out, want)
 
 
+def test_one_weight_without_a_stack():
+    """raw [N, row_bytes] is one weight (group 0): the same results as the stack raw[None]."""
+    t, m, n, k = T.Q4_K, 5, 9, 512
+    raw = random_raw(np.random.default_rng(8), t, n, k)
+    x = torch.randn(m, k)
+    for product in (lambda r, out: blocks.grouped_product(x, r, t, k, [(0, 0, 2), (0, 2, m)], out, True),
+                    lambda r, out: blocks.grouped_product(x, r, t, k, [(0, 0, m)], out, False),
+                    lambda r, out: blocks.grouped_many_rows(x, r, t, k, [(0, 0, m)], out)):
+        one, stacked = torch.full((m, n), float("nan")), torch.full((m, n), float("nan"))
+        product(raw, one)
+        product(raw[None], stacked)
+        assert torch.equal(one, stacked)
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x, raw, t, k, [(1, 0, m)], torch.empty(m, n), True)  # only weight 0
+
+
 # ---- determinism ---------------------------------------------------------------------------------
 
 DETERMINISM_TYPES = [T.Q8_0, T.Q4_K, T.Q3_K, T.Q6_K, T.MXFP4, T.Q5_1, T.F16]
