@@ -89,6 +89,7 @@ def _sizes(ggml_type: int) -> tuple[int, int]:
     return _SIZES[int(ggml_type)]
 
 
+@lru_cache(maxsize=None)
 def row_bytes(ggml_type: int, k: int) -> int:
     """Bytes of one row of k elements."""
     elems, size = _sizes(ggml_type)
@@ -107,11 +108,12 @@ def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
 
 def _check_rows(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
     """A float32 CPU matrix whose last dimension is contiguous (any row stride)."""
-    if (t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != cols
-            or (rows is not None and t.shape[0] != rows) or (t.shape[1] > 1 and t.stride(1) != 1)
-            or t.stride(0) < 1):
+    # each attribute read once: these checks run on every decode product (a few µs per call counts)
+    shape, stride = t.shape, t.stride()
+    if (t.dtype != torch.float32 or not t.is_cpu or len(shape) != 2 or shape[1] != cols
+            or (rows is not None and shape[0] != rows) or (cols > 1 and stride[1] != 1) or stride[0] < 1):
         raise ValueError(f"{name} must be float32 [{rows if rows is not None else 'M'}, {cols}] with a "
-                         f"contiguous last dimension, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+                         f"contiguous last dimension, got {t.dtype} {tuple(shape)} strides {stride}")
 
 
 def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,31 +138,39 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
                     out: torch.Tensor, quantize_activations: bool) -> None:
     """For each (g, a, b) in groups: out[a:b] = x[a:b] @ deq(raw[g]).T.
 
-    x float32 [M, k], raw uint8 [G, N, row_bytes], out float32 [M, N] (last dimensions
-    contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
+    x float32 [M, k], raw uint8 [G, N, row_bytes] (or [N, row_bytes]: one weight, g = 0), out
+    float32 [M, N] (last dimensions contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
     products); otherwise float32 activations times the exact weights. Float weights are always
     multiplied exactly."""
     groups = _check_groups(x, raw, ggml_type, k, groups, out)
     if not groups:
         return
-    m, n = x.shape[0], raw.shape[1]
-    table = torch.tensor(groups, dtype=torch.int64)
-    _status(_lib().raymoe_blocks_grouped(int(ggml_type), int(bool(quantize_activations)), x.data_ptr(), m,
-                                         x.stride(0), raw.data_ptr(), raw.stride(0), table.data_ptr(), len(groups),
-                                         n, k, out.data_ptr(), out.stride(0)))
+    _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), x.shape[0],
+                                         x.stride(0), raw.data_ptr(), raw.stride(0), _table(groups), len(groups),
+                                         raw.shape[-2], k, out.data_ptr(), out.stride(0)))
+
+
+def _table(groups: list[tuple[int, int, int]]):
+    """(g, a, b) triples as the flat int64 array the library takes (a ctypes array: a tenth of
+    torch.tensor's cost per call)."""
+    return (ctypes.c_int64 * (3 * len(groups)))(*(v for group in groups for v in group))
 
 
 def _check_groups(x, raw, ggml_type, k, groups, out) -> list[tuple[int, int, int]]:
-    """The non-empty groups, after checking every argument."""
-    _check_raw(raw, ggml_type, k, 3)
+    """The non-empty groups, after checking every argument. raw [G, N, row_bytes], or [N, row_bytes]
+    for one weight."""
+    _check_raw(raw, ggml_type, k, 2 if raw.dim() == 2 else 3)
     _check_rows(x, "x", None, k)
-    g_count, n = raw.shape[0], raw.shape[1]
+    g_count, n = (raw.shape[0] if raw.dim() == 3 else 1), raw.shape[-2]
     m = x.shape[0]
     _check_rows(out, "out", m, n)
+    kept = []
     for g, a, b in groups:
         if not (0 <= g < g_count and 0 <= a <= b <= m):
             raise ValueError(f"group {(g, a, b)} out of range for {g_count} weights and {m} rows")
-    return [(g, a, b) for g, a, b in groups if b > a] if n else []
+        if b > a:
+            kept.append((g, a, b))
+    return kept if n else []
 
 
 def grouped_many_rows(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, groups: list[tuple[int, int, int]],
@@ -173,9 +183,8 @@ def grouped_many_rows(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int
     groups = _check_groups(x, raw, ggml_type, k, groups, out)
     if not groups:
         return
-    table = torch.tensor(groups, dtype=torch.int64)
     _status(_lib().raymoe_blocks_grouped_many(int(ggml_type), x.data_ptr(), x.shape[0], x.stride(0), raw.data_ptr(),
-                                              raw.stride(0), table.data_ptr(), len(groups), raw.shape[1], k,
+                                              raw.stride(0), _table(groups), len(groups), raw.shape[-2], k,
                                               out.data_ptr(), out.stride(0)))
 
 

@@ -109,7 +109,7 @@ class BlockWeight:
         return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.raw[None], [(0, 0, x.shape[0])], out)
+        return self._product(x, self.raw, [(0, 0, x.shape[0])], out)
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.raw, groups, out)
@@ -119,16 +119,23 @@ class BlockWeight:
         return gpu_blocks.slot_product(x.contiguous(), self.raw, self.type, self.k, experts, out)
 
     def _product(self, x, raw, groups, out):
+        """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call)."""
         if raw.is_cuda:
             from .triton import blocks as gpu_blocks
-            return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(), raw, self.type, self.k,
+            return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(),
+                                              raw if raw.dim() == 3 else raw[None], self.type, self.k,
                                               [g for g in groups if g[2] > g[1]], out)
         if blocks.library() is None:      # no compiler: dequantise one weight at a time
             for g, a, b in groups:
-                out[a:b] = F.linear(x[a:b], BlockWeight(raw[g], self.type, self.k, False).dequantize())
+                w = raw[g] if raw.dim() == 3 else raw
+                out[a:b] = F.linear(x[a:b], BlockWeight(w, self.type, self.k, False).dequantize())
             return out
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
         few_rows = self._few_rows()
+        if all(b - a <= few_rows for _, a, b in groups):   # decode: one call, no lists to split
+            blocks.grouped_product(x, raw, self.type, self.k, groups, out, self.quantize_activations)
+            return out
         few = [g for g in groups if g[2] - g[1] <= few_rows]
         many = [g for g in groups if g[2] - g[1] > few_rows]
         if few:
@@ -137,7 +144,7 @@ class BlockWeight:
             blocks.grouped_many_rows(x, raw, self.type, self.k, many, out)
         elif many:
             for g, a, b in many:
-                blocks.many_rows_product(x[a:b], raw[g], self.type, self.k, out[a:b])
+                blocks.many_rows_product(x[a:b], raw[g] if raw.dim() == 3 else raw, self.type, self.k, out[a:b])
         return out
 
     def _few_rows(self) -> int:

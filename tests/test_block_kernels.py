@@ -263,6 +263,52 @@ def test_kernels_read_nothing_past_the_weights(variant, t):
     finally:
         guarded.free()
 
+def unit_rows(t, k) -> torch.Tensor:
+    """[k, row_bytes] rows of type t whose row j is the unit vector e_j (scales 1): the fast
+    product x . e_j is then d q_j exactly, the quantised activation itself."""
+    raw = np.zeros((k, k // block_elems(t), GGML_QUANT_SIZES[t][1]), dtype=np.uint8)
+    one = np.array([1], dtype=np.float16).view(np.uint8)
+    for j in range(k):
+        b, e = divmod(j, block_elems(t))
+        if t == T.Q8_0:
+            raw[j, :, 0:2] = one
+            raw[j, b, 2 + e] = 1
+        else:  # Q6_K: value (lo | hi << 4) - 32 with hi = 2 everywhere, scales 1, lo 1 at e
+            raw[j, :, 208:210] = one
+            raw[j, :, 192:208] = 1
+            raw[j, :, 128:192] = 0xAA
+            h, i = divmod(e, 128)
+            raw[j, b, 64 * h + i % 64] |= 1 << (4 * (i // 64))
+    return torch.from_numpy(raw.reshape(k, -1))
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_fast_mode_quantises_activations_as_the_reference(variant, t):
+    """Each activation block becomes d = amax / 127 and q = round(x / d) (ties to even, within
+    +-127), as numpy computes it in float32: read back exactly through unit weight rows, for a
+    block of ties (amax 127: x / d = x), a random block and a zero block; both kernels. (Powers
+    of two for d: the kernels' float sums of integer lane sums times d are then exact.)"""
+    qb = block_elems(t)
+    k = 3 * qb
+    rng = np.random.default_rng(6000 + int(t))
+    x = np.zeros((2, k), dtype=np.float32)
+    x[:, :qb] = rng.choice([0.5, 1.5, 2.5, 3.5, 126.5, -0.5, -1.5, -2.5, -126.5, 127.0], (2, qb))
+    x[:, 0] = 127.0
+    x[:, qb:2 * qb] = rng.uniform(-15.875, 15.875, (2, qb)).astype(np.float32)
+    x[:, qb + 1] = 15.875  # amax 127 / 8: d = 1 / 8
+    blocked = x.reshape(2, 3, qb)
+    amax = np.abs(blocked).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocked * inv), -127, 127).astype(np.float32)
+    want = torch.from_numpy((q * (amax / np.float32(127))).reshape(2, k))
+    raw = unit_rows(t, k)[None]
+    xt = torch.from_numpy(x)
+    for product in (lambda out: blocks.grouped_product(xt, raw, t, k, [(0, 0, 2)], out, True),
+                    lambda out: blocks.grouped_many_rows(xt, raw, t, k, [(0, 0, 2)], out)):
+        out = torch.full((2, k), float("nan"))
+        product(out)
+        assert torch.equal(out, want)
+
 
 def test_strided_rows():
     """x and out with row strides larger than their rows (views into wider tensors)."""
@@ -280,6 +326,22 @@ def test_strided_rows():
     want = torch.empty(m, n)
     blocks.many_rows_product(x.contiguous(), raw, t, k, want)
     assert torch.equal(out, want)
+
+
+def test_one_weight_without_a_stack():
+    """raw [N, row_bytes] is one weight (group 0): the same results as the stack raw[None]."""
+    t, m, n, k = T.Q4_K, 5, 9, 512
+    raw = random_raw(np.random.default_rng(8), t, n, k)
+    x = torch.randn(m, k)
+    for product in (lambda r, out: blocks.grouped_product(x, r, t, k, [(0, 0, 2), (0, 2, m)], out, True),
+                    lambda r, out: blocks.grouped_product(x, r, t, k, [(0, 0, m)], out, False),
+                    lambda r, out: blocks.grouped_many_rows(x, r, t, k, [(0, 0, m)], out)):
+        one, stacked = torch.full((m, n), float("nan")), torch.full((m, n), float("nan"))
+        product(raw, one)
+        product(raw[None], stacked)
+        assert torch.equal(one, stacked)
+    with pytest.raises(ValueError):
+        blocks.grouped_product(x, raw, t, k, [(1, 0, m)], torch.empty(m, n), True)  # only weight 0
 
 
 # ---- determinism ---------------------------------------------------------------------------------

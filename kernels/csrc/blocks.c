@@ -39,15 +39,24 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
 #define NR 4              /* weight rows per parallel work item */
 #define TILE 64           /* weight rows dequantised at once for many-row products */
 /* Far enough ahead in the weight stream that the lines arrive before use (few_rows.c measured
- * 4-16 KB best here; the hardware prefetcher alone is slower). */
+ * 4-16 KB best here; the hardware prefetcher alone is slower). Each line is prefetched twice:
+ * PREFETCH_BYTES ahead into L2 only (prefetcht2), then NEAR_BYTES ahead into L1: measured here,
+ * 5-15% faster from memory at one thread than one prefetcht0 per line 8 KB ahead (the far
+ * requests hold no L1 fill buffer for the whole trip from memory). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+#endif
+#ifndef NEAR_BYTES
+#define NEAR_BYTES 2048
 #endif
 
 /* Prefetches the lines from next up to PREFETCH_BYTES past end, as the stream reaches end: one
  * line at a time between the work (a burst of prefetches stalls on the line fill buffers). */
 static inline const uint8_t *prefetch_ahead(const uint8_t *next, const uint8_t *end) {
-    for (; next < end + PREFETCH_BYTES; next += 64) __builtin_prefetch(next);
+    for (; next < end + PREFETCH_BYTES; next += 64) {
+        __builtin_prefetch(next, 0, 1);
+        __builtin_prefetch(next - (PREFETCH_BYTES - NEAR_BYTES), 0, 3);
+    }
     return next;
 }
 
@@ -192,9 +201,53 @@ static int64_t act_pos(int t, int64_t e) {
 /* round to nearest, ties to even, for |v| < 2^22 (what the default rounding mode gives) */
 static inline int round_even(float v) { return (int)((v + 12582912.0f) - 12582912.0f); }
 
+/* max |v[i]| over n (a multiple of 16) values; NaN ignored. */
+static inline float block_amax(const float *v, int n) {
+#if ARCH >= 1
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), m); /* NaN: keeps m */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
+    return amax;
+#endif
+}
+
+/* q[i] = round(v[i] * inv) within +-127 for 16 values (stored + 128 when biased); returns their
+ * sum. cvtps rounds to nearest even as round_even does (NaN: INT_MIN either way, then -127). */
+static inline int quantize16(const float *v, float inv, int biased, int8_t *q) {
+#if ARCH >= 1
+    const __m256 s = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256i r0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), s)), lo), hi);
+    const __m256i r1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), s)), lo), hi);
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xd8); /* 16 int16 in order */
+    __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    if (biased) b = _mm_xor_si128(b, _mm_set1_epi8((char)0x80));
+    _mm_storeu_si128((__m128i *)q, b);
+    __m256i t = _mm256_add_epi32(r0, r1);
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1))));
+#else
+    int sum = 0;
+    for (int i = 0; i < 16; i++) {
+        int r = round_even(v[i] * inv);
+        r = r > 127 ? 127 : r < -127 ? -127 : r;
+        q[i] = (int8_t)(biased ? (uint8_t)(r + 128) : r);
+        sum += r;
+    }
+    return sum;
+#endif
+}
+
 /* Row x of k values to int8 blocks of qb: d = amax / 127, q = round(x / d), |x - d q| <= d / 2. */
 /* natural: q in the natural order (the many-row kernels), stored as q + 128 (unsigned) when
- * natural is 2; else in act_pos's order. */
+ * natural is 2; else in act_pos's order (which keeps runs of 16 together). */
 static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row,
                          int natural) {
     int8_t *q = xq->q + row * xq->kq;
@@ -208,23 +261,14 @@ static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quan
             continue;
         }
         const float *v = x + b * qb;
-        float amax = 0.0f;
-        for (int i = 0; i < qb; i++) amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
+        const float amax = block_amax(v, qb);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0, part = 0;
-        for (int i = 0; i < qb; i++) {
-            int r = round_even(v[i] * inv);
-            r = r > 127 ? 127 : r < -127 ? -127 : r;
-            if (natural)
-                q[b * qb + i] = (int8_t)(natural == 2 ? (uint8_t)(r + 128) : r);
-            else
-                q[act_pos(t, b * qb + i)] = (int8_t)r;
-            sum += r;
-            part += r;
-            if (i % 16 == 15) {
-                xq->bsum[row * (k / 16) + (b * qb + i) / 16] = (int16_t)part;
-                part = 0;
-            }
+        int sum = 0;
+        for (int i = 0; i < qb; i += 16) {
+            const int64_t e = b * qb + i;
+            const int part = quantize16(v + i, inv, natural == 2, q + (natural ? e : act_pos(t, e)));
+            xq->bsum[row * (k / 16) + e / 16] = (int16_t)part;
+            sum += part;
         }
         *d = amax / 127.0f;
         *ds = *d * (float)sum;
