@@ -3,6 +3,8 @@ dequantisation (bit for bit) and float64 products (within derived error bounds),
 machine's build and on the AVX2 and portable builds."""
 from __future__ import annotations
 
+import os
+
 import gguf.quants
 import numpy as np
 import pytest
@@ -207,6 +209,39 @@ def test_grouped_many_rows(variant, t):
         assert (err <= bound).all(), (err / bound).max()
         assert bound.sum() < 0.05 * (x[a:b].abs().double() @ w[g].abs().double().T).sum()
         assert (err > exact_bound(x[a:b], w[g], grouped_chain(k))).any()  # really quantised
+
+
+@pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
+def test_amx_gives_the_same_bits_as_vnni(t):
+    """Many-row products on AMX tiles against the same on VNNI registers, bit for bit, at 1 and 2
+    threads: groups of AMX_MIN_ROWS rows or more go to AMX (37 and 33 rows: past whole blocks of
+    16), a shorter group stays with VNNI, an empty one; 37 weight rows (past whole tiles of 16);
+    an odd number of 32-blocks, three super-blocks."""
+    lib = blocks.library()
+    if not blocks.set_amx(True):
+        pytest.skip("AMX unavailable here (no amx_int8 in the CPU, no -mamx-int8 in the compiler, or the "
+                    "kernel refused the tile state); CI runs on a machine with AMX")
+    threads = torch.get_num_threads()
+    try:
+        least = lib.raymoe_blocks_amx_min_rows()
+        m, n, k = 2 * least + 19, 37, 7 * 32 if block_elems(t) == 32 else 3 * 256
+        groups = [(2, 0, least + 5), (0, least + 5, least + 5), (1, least + 5, least + 18), (0, least + 18, m)]
+        assert least + 5 >= least > 13 and m - (least + 18) >= least
+        rng = np.random.default_rng(6000 + int(t))
+        raw = torch.stack([random_raw(rng, t, n, k) for _ in range(3)])
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(t)))
+        results = []
+        for on, count in ((False, 2), (True, 1), (True, 2)):
+            assert blocks.set_amx(on) == on
+            torch.set_num_threads(count)
+            out = torch.full((m, n), float("nan"))
+            blocks.grouped_many_rows(x, raw, t, k, groups, out)
+            assert not out.isnan().any()
+            results.append(out.view(torch.int32))
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    finally:
+        torch.set_num_threads(threads)
+        blocks.set_amx(os.environ.get("RAYMOE_AMX", "1") != "0")
 
 
 def test_strided_rows():
