@@ -9,8 +9,9 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
-AVX2 or portable C), or for $RAYMOE_MARCH. Results depend neither on the thread count nor on
-the other rows in a call.
+AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
+RAYMOE_AMX=0), many-row groups of 32 rows or more multiply on AMX int8 tiles, with the same bits
+as the VNNI kernels. Results depend neither on the thread count nor on the other rows in a call.
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@
  * is read from memory once per call, whatever the number of activation rows.
  *
  * Built with -march=native on the machine that runs it (and -ffp-contract=off, so the
- * dequantisation rounds exactly as gguf-py's numpy code): AVX-512 VNNI, AVX2 or portable C.
+ * dequantisation rounds exactly as gguf-py's numpy code): AVX-512 VNNI, AVX2 or portable C; and
+ * where the compiler targets AMX (__AMX_TILE__, __AMX_INT8__), many-row products on AMX tiles
+ * when raymoe_blocks_set_amx turns them on, with the same results as VNNI.
  */
 #include <stdint.h>
 #include <stdlib.h>
