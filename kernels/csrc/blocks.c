@@ -1265,12 +1265,11 @@ int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64
 #define MANY_TILE 16
 
 /* A tile row of a 32-block type: row_a, plus on AVX-512 the signed weights u - off and, per int32
- * lane of a 64-byte register (8 lanes per block), the block's dw, its dm (first lane only) and
- * -128 times the sum of its signed weights (first lane only): the activations come as q + 128. */
+ * lane of a 64-byte register (8 lanes per block), -128 times the sum of the block's signed weights
+ * (first lane only): the VNNI kernel's activations come as q + 128. */
 typedef struct {
     row_a a;
     int8_t *s;        /* [kq] */
-    float *wd, *wm;   /* [lanes] */
     int32_t *wcorr;   /* [lanes] */
 } tile_row_a;
 
@@ -1464,8 +1463,6 @@ static void unpack_tile_row(int t, const uint8_t *w, int64_t k, tile_row_a *wa, 
         const int sum = (int)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) + _mm256_extract_epi64(sad, 2) +
                               _mm256_extract_epi64(sad, 3)) - 32 * off;
         _mm256_storeu_si256((__m256i *)(wa[j].s + 32 * b), _mm256_sub_epi8(u, _mm256_set1_epi8((char)off)));
-        _mm256_storeu_ps(wa[j].wd + 8 * b, _mm256_set1_ps(wa[j].a.dw[b]));
-        wa[j].wm[8 * b] = wa[j].a.dm[b];
         wa[j].wcorr[8 * b] = -128 * sum;
     }
 #endif
@@ -1757,11 +1754,11 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
         free(packed);
         return -1;
     }
-    /* one tile row: 32-blocks: u and s [kq] (zero past k), wd, wm and wcorr [lanes], dw and dm
+    /* one tile row: 32-blocks: u and s [kq] (zero past k), wcorr [lanes], dw and dm
      * [nb]; K-quants: k / QK super-blocks */
     const int64_t lanes = 8 * xq.nb; /* a multiple of 16: 64-byte arrays */
     const size_t row_size = kq ? (size_t)(k / QK) * sizeof(block_k)
-                               : 2 * (size_t)xq.kq + 3 * (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
+                               : 2 * (size_t)xq.kq + (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
     const size_t row_stride = (row_size + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel
@@ -1781,9 +1778,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             wk[j] = (block_k *)p;
             wa[j].a.u = p;
             wa[j].s = (int8_t *)(p + xq.kq);
-            wa[j].wd = (float *)(p + 2 * xq.kq);
-            wa[j].wm = wa[j].wd + lanes;
-            wa[j].wcorr = (int32_t *)(wa[j].wm + lanes);
+            wa[j].wcorr = (int32_t *)(p + 2 * xq.kq);
             wa[j].a.dw = (float *)(wa[j].wcorr + lanes);
             wa[j].a.dm = wa[j].a.dw + xq.nb;
         }
