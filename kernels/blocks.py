@@ -9,8 +9,9 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
-AVX2 or portable C), or for $RAYMOE_MARCH. Results depend neither on the thread count nor on
-the other rows in a call.
+AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
+RAYMOE_AMX=0), many-row groups of 32 rows or more multiply on AMX int8 tiles, with the same bits
+as the VNNI kernels. Results depend neither on the thread count nor on the other rows in a call.
 """
 from __future__ import annotations
 
@@ -63,8 +64,28 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_grouped_many.restype = c
     lib.raymoe_blocks_many_rows.argtypes = [p, c, p, i, i, p, i, i, p, i]
     lib.raymoe_blocks_many_rows.restype = c
+    lib.raymoe_blocks_set_amx.argtypes = [c]
+    lib.raymoe_blocks_set_amx.restype = c
+    lib.raymoe_blocks_amx_min_rows.restype = c
     lib.sgemm = native._numpy_sgemm()
+    _start_amx(lib)
     return lib
+
+
+def _start_amx(lib: ctypes.CDLL) -> None:
+    """Many-row products on AMX tiles where this build, the CPU and the kernel allow it, unless
+    RAYMOE_AMX=0; otherwise (said once) on AVX-512 VNNI registers, with the same results."""
+    want = os.environ.get("RAYMOE_AMX", "1") != "0"
+    if lib.raymoe_blocks_set_amx(int(want)):
+        log.info("many-row products use AMX tiles")
+    elif want and lib.raymoe_blocks_arch() == 2 and "amx_int8" in native._cpu_flags():
+        log.warning("this CPU has AMX but it could not be used (compiler or kernel): many-row products use VNNI")
+
+
+def set_amx(on: bool) -> bool:
+    """Many-row products on AMX tiles (on) or VNNI registers: the same bits either way (tests and
+    benchmarks compare them). Returns whether AMX is in use now."""
+    return bool(_lib().raymoe_blocks_set_amx(int(on)))
 
 
 def library() -> ctypes.CDLL | None:

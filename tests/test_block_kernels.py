@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import gguf.quants
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from kernels import blocks
 
@@ -263,6 +265,7 @@ def test_kernels_read_nothing_past_the_weights(variant, t):
     finally:
         guarded.free()
 
+
 def unit_rows(t, k) -> torch.Tensor:
     """[k, row_bytes] rows of type t whose row j is the unit vector e_j (scales 1): the fast
     product x . e_j is then d q_j exactly, the quantised activation itself."""
@@ -308,6 +311,38 @@ def test_fast_mode_quantises_activations_as_the_reference(variant, t):
         out = torch.full((2, k), float("nan"))
         product(out)
         assert torch.equal(out, want)
+
+@pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
+def test_amx_gives_the_same_bits_as_vnni(t):
+    """Many-row products on AMX tiles against the same on VNNI registers, bit for bit, at 1 and 2
+    threads: groups of AMX_MIN_ROWS rows or more go to AMX (37 and 33 rows: past whole blocks of
+    16), a shorter group stays with VNNI, an empty one; 37 weight rows (past whole tiles of 16);
+    an odd number of 32-blocks, three super-blocks."""
+    lib = blocks.library()
+    if not blocks.set_amx(True):
+        pytest.skip("AMX unavailable here (no amx_int8 in the CPU, no -mamx-int8 in the compiler, or the "
+                    "kernel refused the tile state); CI runs on a machine with AMX")
+    threads = torch.get_num_threads()
+    try:
+        least = lib.raymoe_blocks_amx_min_rows()
+        m, n, k = 2 * least + 19, 37, 7 * 32 if block_elems(t) == 32 else 3 * 256
+        groups = [(2, 0, least + 5), (0, least + 5, least + 5), (1, least + 5, least + 18), (0, least + 18, m)]
+        assert least + 5 >= least > 13 and m - (least + 18) >= least
+        rng = np.random.default_rng(6000 + int(t))
+        raw = torch.stack([random_raw(rng, t, n, k) for _ in range(3)])
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(t)))
+        results = []
+        for on, count in ((False, 2), (True, 1), (True, 2)):
+            assert blocks.set_amx(on) == on
+            torch.set_num_threads(count)
+            out = torch.full((m, n), float("nan"))
+            blocks.grouped_many_rows(x, raw, t, k, groups, out)
+            assert not out.isnan().any()
+            results.append(out.view(torch.int32))
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    finally:
+        torch.set_num_threads(threads)
+        blocks.set_amx(os.environ.get("RAYMOE_AMX", "1") != "0")
 
 
 def test_strided_rows():

@@ -13,7 +13,9 @@
  * is read from memory once per call, whatever the number of activation rows.
  *
  * Built with -march=native on the machine that runs it (and -ffp-contract=off, so the
- * dequantisation rounds exactly as gguf-py's numpy code): AVX-512 VNNI, AVX2 or portable C.
+ * dequantisation rounds exactly as gguf-py's numpy code): AVX-512 VNNI, AVX2 or portable C; and
+ * where the compiler targets AMX (__AMX_TILE__, __AMX_INT8__), many-row products on AMX tiles
+ * when raymoe_blocks_set_amx turns them on, with the same results as VNNI.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -282,6 +284,43 @@ static void quantize_row(int t, const float *x, int64_t k, int qb, int off, quan
             }
     }
 }
+
+#if ARCH == 2
+/* quantize_row's natural orders, 16 values at a time: the same operations on each value (and
+ * integer sums), so the same bytes and scales. */
+static void quantize_row_natural(const float *x, int64_t k, int qb, int off, quantized_x *xq, int64_t row, int natural) {
+    int8_t *q = xq->q + row * xq->kq;
+    int16_t *bsum = xq->bsum + row * (k / 16);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i lim = _mm512_set1_epi32(127), shift = _mm512_set1_epi32(natural == 2 ? 128 : 0);
+    for (int64_t b = 0; b < xq->nb; b++) {
+        float *d = xq->d + row * xq->nb + b, *ds = xq->ds + row * xq->nb + b;
+        int32_t *corr = xq->corr + row * xq->nb + b;
+        if (b * qb >= k) { /* padding */
+            *d = *ds = 0.0f;
+            *corr = 0;
+            continue;
+        }
+        const float *v = x + b * qb;
+        __m512 top = _mm512_setzero_ps();
+        for (int i = 0; i < qb; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+        const float amax = _mm512_reduce_max_ps(top);
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        int sum = 0;
+        for (int i = 0; i < qb; i += 16) {
+            const __m512 f = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), inv), magic), magic);
+            const __m512i r = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(f), _mm512_sub_epi32(_mm512_setzero_si512(), lim)), lim);
+            _mm_storeu_si128((__m128i *)(q + b * qb + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(r, shift)));
+            const int part = _mm512_reduce_add_epi32(r);
+            bsum[(b * qb + i) / 16] = (int16_t)part;
+            sum += part;
+        }
+        *d = amax / 127.0f;
+        *ds = *d * (float)sum;
+        *corr = -off * sum;
+    }
+}
+#endif
 
 /* -- 32-element types: a row unpacked to u (bytes), w = dw * (u - off) + dm per block -------- */
 
@@ -1271,70 +1310,102 @@ int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64
 #define MANY_TILE 16
 
 /* A tile row of a 32-block type: row_a, plus on AVX-512 the signed weights u - off and, per int32
- * lane of a 64-byte register (8 lanes per block), the block's dw, its dm (first lane only) and
- * -128 times the sum of its signed weights (first lane only): the activations come as q + 128. */
+ * lane of a 64-byte register (8 lanes per block), -128 times the sum of the block's signed weights
+ * (first lane only): the VNNI kernel's activations come as q + 128. */
 typedef struct {
     row_a a;
     int8_t *s;        /* [kq] */
-    float *wd, *wm;   /* [lanes] */
     int32_t *wcorr;   /* [lanes] */
 } tile_row_a;
 
 #if ARCH == 2
 
-/* The scales v[2c] and v[2c + 1] of two blocks over their 8 lanes each. */
-static inline __m512 pair_lanes(const float *v) {
-    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)v))));
+/* Sums of the lanes of pairs of int32 vectors: lanes 0-7 = pairs of a's lanes, 8-15 = pairs of b's.
+ * Three rounds over eight vectors leave each one's two halves (lanes 0-7, 8-15) summed in two
+ * adjacent lanes; four rounds over sixteen leave each one's sum in one lane. Integers: exact,
+ * whatever the order. */
+static inline __m512i sum_pairs(__m512i a, __m512i b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
 }
 
-/* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for 32-block weights: per 64 bytes (two
- * blocks), dpbusd sums (q + 128) s per lane from -128 sum s, scaled by dw * dx per lane. */
+/* Two floats at a and two at b as one vector: a0 a1 b0 b1. */
+static inline __m128 two_pairs(const float *a, const float *b) {
+    return _mm_castsi128_ps(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+
+/* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for 32-block weights. Per block the integer
+ * sum S = q . (u - off) is exact (dpbusd sums (q + 128) s per lane from -128 sum s; the lanes are
+ * summed in integers), then acc = fma(S, dx dw, acc) and, with mins, acc = fma(dm, ds, acc), block
+ * after block: the AMX kernel does exactly this, so both give the same bits. */
 INLINE void tile_a(int RM, int RN, int mins, const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row,
                    float *y, int64_t ldy) {
-    __m512 acc[4][4];
-    for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < (k + 63) / 64; c++) {
-        __m512i q[4];
-        __m512 dx[4], ds[4];
+    const __m512i twice = _mm512_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+    const float zero[2] = {0.0f, 0.0f};
+    /* accumulators: lane 2 (4 (i % 2) + j) of acc[i / 2] (odd lanes unused) */
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t blocks = k / 32;
+    for (int64_t c = 0; c < (blocks + 1) / 2; c++) {
+        __m512i v[16];
+        for (int p = 0; p < 16; p++) v[p] = _mm512_setzero_si512();
         for (int i = 0; i < RM; i++) {
-            q[i] = _mm512_load_si512(xq->q + (row + i) * xq->kq + 64 * c);
-            dx[i] = pair_lanes(xq->d + (row + i) * xq->nb + 2 * c);
-            if (mins) ds[i] = pair_lanes(xq->ds + (row + i) * xq->nb + 2 * c);
+            const __m512i q = _mm512_load_si512(xq->q + (row + i) * xq->kq + 64 * c);
+            for (int j = 0; j < RN; j++)
+                v[4 * i + j] = _mm512_dpbusd_epi32(_mm512_load_si512(w[j].wcorr + 16 * c), q, _mm512_load_si512(w[j].s + 64 * c));
         }
-        for (int j = 0; j < RN; j++) {
-            const __m512i ws = _mm512_load_si512(w[j].s + 64 * c), corr = _mm512_load_si512(w[j].wcorr + 16 * c);
-            const __m512 wd = _mm512_load_ps(w[j].wd + 16 * c);
-            for (int i = 0; i < RM; i++) {
-                const __m512i s = _mm512_dpbusd_epi32(corr, q[i], ws);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx[i], wd), acc[i][j]);
-                if (mins) acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(w[j].wm + 16 * c), ds[i], acc[i][j]);
+        for (int p = 0; p < 8; p++) v[p] = sum_pairs(v[2 * p], v[2 * p + 1]);
+        for (int p = 0; p < 4; p++) v[p] = sum_pairs(v[2 * p], v[2 * p + 1]);
+        __m512 s[2];
+        for (int h = 0; h < 2; h++) s[h] = _mm512_cvtepi32_ps(sum_pairs(v[2 * h], v[2 * h + 1]));
+        /* per lane 2 (4 i + j) + block: dx of row i and dw of row j (and ds, dm) */
+        const float *pw[4], *pm[4];
+        for (int j = 0; j < 4; j++) {
+            pw[j] = j < RN ? w[j].a.dw + 2 * c : zero;
+            pm[j] = j < RN ? w[j].a.dm + 2 * c : zero;
+        }
+        const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set_m128(two_pairs(pw[2], pw[3]), two_pairs(pw[0], pw[1]))),
+                                             _mm256_set_m128(two_pairs(pw[2], pw[3]), two_pairs(pw[0], pw[1])), 1);
+        const __m512 dm = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set_m128(two_pairs(pm[2], pm[3]), two_pairs(pm[0], pm[1]))),
+                                             _mm256_set_m128(two_pairs(pm[2], pm[3]), two_pairs(pm[0], pm[1])), 1);
+        const int last = 2 * c + 1 >= blocks; /* an odd number of blocks: no second block */
+        for (int h = 0; h < (RM + 1) / 2; h++) {
+            const float *r0 = xq->d + (row + 2 * h) * xq->nb + 2 * c;
+            const float *r1 = 2 * h + 1 < RM ? xq->d + (row + 2 * h + 1) * xq->nb + 2 * c : zero;
+            const __m512 dx = _mm512_permutexvar_ps(twice, _mm512_castps128_ps512(two_pairs(r0, r1)));
+            const __m512 scale = _mm512_mul_ps(dx, dw);
+            __m512 ds = _mm512_setzero_ps();
+            if (mins) {
+                const float *s0 = xq->ds + (row + 2 * h) * xq->nb + 2 * c;
+                const float *s1 = 2 * h + 1 < RM ? xq->ds + (row + 2 * h + 1) * xq->nb + 2 * c : zero;
+                ds = _mm512_permutexvar_ps(twice, _mm512_castps128_ps512(two_pairs(s0, s1)));
+            }
+            acc[h] = _mm512_fmadd_ps(s[h], scale, acc[h]);
+            if (mins) acc[h] = _mm512_fmadd_ps(dm, ds, acc[h]);
+            if (!last) {
+                acc[h] = _mm512_fmadd_ps(_mm512_movehdup_ps(s[h]), _mm512_movehdup_ps(scale), acc[h]);
+                if (mins) acc[h] = _mm512_fmadd_ps(_mm512_movehdup_ps(dm), _mm512_movehdup_ps(ds), acc[h]);
             }
         }
     }
+    float out[32] __attribute__((aligned(64)));
+    _mm512_store_ps(out, acc[0]);
+    _mm512_store_ps(out + 16, acc[1]);
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-static inline float hsum256(__m256 v) {
-    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = out[16 * (i / 2) + 2 * (4 * (i % 2) + j)];
 }
 
 /* The same for K-quants: per super-block, maddubs pairs u * q into int16 and dpwssd scales them
- * per 16 into int32 (plus the offset's term -off sc bsum), scaled by dw * dx; the mins
- * mn bsum are scaled by dm * dx apart. kind: 1 = an offset (Q3_K, Q6_K), 2 = mins. */
+ * per 16 into int32, plus the offset's term -off sc bsum; the lanes summed in integers give S =
+ * sum q sc (u - off) exactly, and the mins' M = sum bsum mn. Then acc = fma(S, dw dx, acc) and
+ * accm = fma(M, dm dx, accm), super-block after super-block, and y = acc - accm: as the AMX
+ * kernel. kind: 1 = an offset (Q3_K, Q6_K), 2 = mins. */
 INLINE void tile_k(int RM, int RN, int kind, block_k *const *w, int64_t k, const quantized_x *xq, int64_t row,
                    float *y, int64_t ldy) {
-    __m512 acc[4][2];
-    __m256 accm[4][2];
-    for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) {
-            acc[i][j] = _mm512_setzero_ps();
-            accm[i][j] = _mm256_setzero_ps();
-        }
+    const __m512i lane_i = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);
+    const __m512i lane_j = _mm512_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+    /* lane 2 i + j: acc of (i, j); lane 8 + 2 i + j: accm */
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / QK; b++) {
         __m512i s[4][2];
         for (int i = 0; i < RM; i++)
@@ -1348,23 +1419,35 @@ INLINE void tile_k(int RM, int RN, int kind, block_k *const *w, int64_t k, const
                 for (int i = 0; i < RM; i++) s[i][j] = _mm512_dpwssd_epi32(s[i][j], _mm512_maddubs_epi16(u, q[i]), sc);
             }
         }
+        __m512i v[16];
+        for (int p = 0; p < 16; p++) v[p] = _mm512_setzero_si512();
+        float dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int i = 0; i < RM; i++) {
             const __m256i bsum = _mm256_loadu_si256((const __m256i *)(xq->bsum + (row + i) * (k / 16) + 16 * b));
-            const float dx = xq->d[(row + i) * xq->nb + b];
+            dx[i] = xq->d[(row + i) * xq->nb + b];
             for (int j = 0; j < RN; j++) {
                 const block_k *c = &w[j][b];
-                __m512i t = s[i][j];
+                v[2 * i + j] = s[i][j];
                 if (kind == 1)
-                    t = _mm512_add_epi32(t, _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->offsc))));
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(c->dw * dx), acc[i][j]);
+                    v[2 * i + j] = _mm512_add_epi32(s[i][j], _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->offsc))));
                 if (kind == 2)
-                    accm[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->mn))),
-                                                 _mm256_set1_ps(c->dm * dx), accm[i][j]);
+                    v[8 + 2 * i + j] = _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, _mm256_load_si256((const __m256i *)c->mn)));
             }
         }
+        for (int p = 0; p < 8; p++) v[p] = sum_pairs(v[2 * p], v[2 * p + 1]);
+        for (int p = 0; p < 4; p++) v[p] = sum_pairs(v[2 * p], v[2 * p + 1]);
+        for (int p = 0; p < 2; p++) v[p] = sum_pairs(v[2 * p], v[2 * p + 1]);
+        const __m512 sum = _mm512_cvtepi32_ps(sum_pairs(v[0], v[1]));
+        /* lane 2 i + j: dw_j dx_i; lane 8 + 2 i + j: dm_j dx_i */
+        const float w0 = w[0][b].dw, w1 = RN > 1 ? w[1][b].dw : 0.0f, m0 = w[0][b].dm, m1 = RN > 1 ? w[1][b].dm : 0.0f;
+        const __m512 wv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(_mm_setr_ps(w0, w1, m0, m1)));
+        const __m512 xv = _mm512_permutexvar_ps(lane_i, _mm512_castps128_ps512(_mm_loadu_ps(dx)));
+        acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(wv, xv), acc);
     }
+    float out[16] __attribute__((aligned(64)));
+    _mm512_store_ps(out, acc);
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) - (kind == 2 ? hsum256(accm[i][j]) : 0.0f);
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = kind == 2 ? out[2 * i + j] - out[8 + 2 * i + j] : out[2 * i + j];
 }
 
 typedef void (*tile_a_fn)(const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
@@ -1425,52 +1508,341 @@ static void unpack_tile_row(int t, const uint8_t *w, int64_t k, tile_row_a *wa, 
         const int sum = (int)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1) + _mm256_extract_epi64(sad, 2) +
                               _mm256_extract_epi64(sad, 3)) - 32 * off;
         _mm256_storeu_si256((__m256i *)(wa[j].s + 32 * b), _mm256_sub_epi8(u, _mm256_set1_epi8((char)off)));
-        _mm256_storeu_ps(wa[j].wd + 8 * b, _mm256_set1_ps(wa[j].a.dw[b]));
-        wa[j].wm[8 * b] = wa[j].a.dm[b];
         wa[j].wcorr[8 * b] = -128 * sum;
     }
 #endif
 }
 
+/* ---- AMX: the same many-row products on int8 tiles ---------------------------------------------
+ *
+ * With AMX (Sapphire Rapids on), TDPBSSD multiplies a tile of 16 weight rows x K signed bytes by
+ * a tile of K x 16 activation rows (K / 4 rows of 16 x 4 bytes) into 16 x 16 int32, many times
+ * faster than VNNI registers. The weights' scales change every sub-block (16 or 32 elements), so
+ * each sub-block is one TDPBSSD (K = its size) into a fresh tile, scaled by the rows' integer
+ * scales and summed in int32 registers: per super-block (per 32-block) the integer sums are
+ * exactly those of the VNNI kernels, and the float scaling after them is the same operations,
+ * so the results are the same bits. The mins' integer sums take TDPBSSD over whole 64-element
+ * chunks against bytes holding each element's sub-block min. Weights are (u - off) as signed
+ * bytes (they fit: |u - off| <= 128 and AMX sums in int32); activations are the signed q, packed
+ * per group in blocks of 16 rows in the tile layout (zero past the group's rows). */
+
+#if ARCH == 2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_on; /* set by raymoe_blocks_set_amx */
+
+/* Linux lets a process use the tile registers after asking once (for all its threads). */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) {
+        unsigned long features = 0;
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 &&
+                syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &features) == 0 && (features >> 18 & 1);
+    }
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: 0-3 products (16 x 16 int32) in turn, 4 and 5 weights (16 x K bytes), 6 and 7
+ * activations (K / 4 x 64 bytes), in turn; with mins, 2 sums the mins and 3 holds min bytes
+ * (16 x K), leaving two products in turn. Several products in flight hide each one's latency
+ * (load, multiply, store, reload). */
+static void amx_configure(int kb, int mins) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = (uint16_t)(i == 4 || i == 5 || (mins && i == 3) ? kb : 64);
+        c.rows[i] = (uint8_t)(i >= 6 ? kb / 4 : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+/* One product of K = kb into tile C from weights w (row stride rs) and packed activations x,
+ * stored at out. */
+#define AMX_PRODUCT(C, A, B, w, rs, x, out) do { _tile_zero(C); _tile_loadd(A, w, rs); _tile_loadd(B, x, 64); \
+                                               _tile_dpbssd(C, A, B); _tile_stored(C, out, 64); } while (0)
+
+/* Groups of fewer rows stay with VNNI: the tile's preparation outweighs the faster products
+ * (measured: Q3_K experts, 16 rows about even). */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 32
+#endif
+static int amx_group(const int64_t *group) { return group[2] - group[1] >= AMX_MIN_ROWS; }
+
+/* Sub-block size: the run of elements sharing one integer scale. */
+static int amx_sub(int t) { return t == Q4_K || t == Q5_K || !is_k_quant(t) ? 32 : 16; }
+
+/* A tile's extra arrays: per block (32-blocks) or super-block, per tile row j: dw, dm; K-quants:
+ * the integer scale of each 16 and the bytes holding each element's min. */
+typedef struct {
+    float *dw, *dm;   /* [blocks][16] */
+    int32_t *sc;      /* [k / QK][16][16 sub-blocks of 16] */
+    int8_t *mins;     /* [16][k] */
+} amx_tile;
+
+static size_t amx_tile_bytes(int64_t k) {
+    return 2 * (size_t)(k / 32) * 64 + (size_t)(k / QK) * 1024 + 16 * (size_t)k + 64;
+}
+
+static amx_tile amx_tile_at(uint8_t *p, int64_t k) {
+    amx_tile a;
+    a.dw = (float *)p;
+    a.dm = a.dw + (k / 32) * 16;
+    a.sc = (int32_t *)(a.dm + (k / 32) * 16);
+    a.mins = (int8_t *)(a.sc + (k / QK) * 256);
+    return a;
+}
+
+/* Tile row j, already unpacked by unpack_tile_row, made ready: K-quants' u less off in place,
+ * scales and mins across the tile's rows. */
+static void amx_tile_row(int t, int64_t k, const tile_row_a *wa, block_k *const *wk, const amx_tile *a, int j) {
+    if (!is_k_quant(t)) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            a->dw[16 * b + j] = wa[j].a.dw[b];
+            a->dm[16 * b + j] = wa[j].a.dm[b];
+        }
+        return;
+    }
+    for (int64_t b = 0; b < k / QK; b++) {
+        block_k *c = &wk[j][b];
+        a->dw[16 * b + j] = c->dw;
+        a->dm[16 * b + j] = c->dm;
+        /* the scale of each 16 (every eighth of scx) as int32 */
+        const __m512i every8 = _mm512_setr_epi32(0x00080000, 0x00180010, 0x00280020, 0x00380030, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(c->scx), every8, _mm512_load_si512(c->scx + 32));
+        const __m512i hi = _mm512_permutex2var_epi16(_mm512_load_si512(c->scx + 64), every8, _mm512_load_si512(c->scx + 96));
+        _mm512_store_si512(a->sc + 256 * b + 16 * j,
+                           _mm512_cvtepi16_epi32(_mm256_setr_m128i(_mm512_castsi512_si128(lo), _mm512_castsi512_si128(hi))));
+        if (c->off) {
+            const __m512i off = _mm512_set1_epi8((char)c->off);
+            for (int z = 0; z < 4; z++)
+                _mm512_store_si512(c->u + 64 * z, _mm512_sub_epi8(_mm512_load_si512(c->u + 64 * z), off));
+        }
+        if (!has_min_k(t)) continue;
+        /* bytes 4z .. 4z + 3 of the mins, each over its 16 elements */
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0x01010101, 0x01010101, 0x01010101, 0x01010101,
+                                                 0x02020202, 0x02020202, 0x02020202, 0x02020202,
+                                                 0x03030303, 0x03030303, 0x03030303, 0x03030303);
+        const __m128i mn = _mm256_cvtepi16_epi8(_mm256_load_si256((const __m256i *)c->mn));
+        const __m512i words = _mm512_broadcast_i32x4(mn);
+        for (int z = 0; z < 4; z++) {
+            const __m512i four = _mm512_permutexvar_epi32(_mm512_set1_epi32(z), words);
+            _mm512_storeu_si512(a->mins + (int64_t)j * k + QK * b + 64 * z, _mm512_shuffle_epi8(four, spread));
+        }
+    }
+}
+
+/* Packed activations of up to 16 rows: q [k / 4][16][4] (signed; flip: from q + 128), and per
+ * block the rows' d and ds [blocks][16]. */
+static size_t amx_pack_bytes(int64_t k, int qb) { return 16 * (size_t)k + 2 * (size_t)(k / qb) * 64; }
+
+static void amx_pack(const quantized_x *xq, int64_t k, int qb, int flip, int64_t row, int rows, uint8_t *p) {
+    int32_t *q = (int32_t *)p;
+    const int32_t x = flip ? (int32_t)0x80808080u : 0;
+    float *d = (float *)(p + 16 * k), *ds = d + (k / qb) * 16;
+    memset(p, 0, amx_pack_bytes(k, qb));
+    for (int m = 0; m < rows; m++) {
+        const int32_t *src = (const int32_t *)(xq->q + (row + m) * xq->kq);
+        for (int64_t w = 0; w < k / 4; w++) q[16 * w + m] = src[w] ^ x;
+        for (int64_t b = 0; b < k / qb; b++) {
+            d[16 * b + m] = xq->d[(row + m) * xq->nb + b];
+            ds[16 * b + m] = xq->ds[(row + m) * xq->nb + b];
+        }
+    }
+}
+
+/* y[m * ldy + j] for m < rows, j < nr: the tile (rows wk[0].., row stride rs) times packed
+ * activations p, K-quants. */
+static void amx_k(int t, const block_k *w0, int64_t rs, const amx_tile *a, int64_t k, const uint8_t *p, int rows,
+                  int nr, float *y, int64_t ldy) {
+    const int kb = amx_sub(t), subs = QK / kb, mins = has_min_k(t);
+    const float *d = (const float *)(p + 16 * k);
+    int32_t prod[4][256] __attribute__((aligned(64))), msum[256] __attribute__((aligned(64)));
+    __m512 acc[16], accm[16];
+    for (int n = 0; n < 16; n++) acc[n] = accm[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / QK; b++) {
+        const uint8_t *wb = (const uint8_t *)(w0 + b), *xb = p + 16 * QK * b;
+        const int8_t *mb = a->mins + QK * b;
+        __m512i s[16];
+        for (int n = 0; n < 16; n++) s[n] = _mm512_setzero_si512();
+        if (mins) _tile_zero(2);
+        for (int i = 0; i < subs; i += mins ? 2 : 4) {
+            AMX_PRODUCT(0, 4, 6, wb + kb * i, rs, xb + 16 * kb * i, prod[0]);
+            if (mins) {
+                _tile_loadd(3, mb + kb * i, k);
+                _tile_dpbssd(2, 3, 6);
+            }
+            AMX_PRODUCT(1, 5, 7, wb + kb * (i + 1), rs, xb + 16 * kb * (i + 1), prod[1]);
+            if (mins) {
+                _tile_loadd(3, mb + kb * (i + 1), k);
+                _tile_dpbssd(2, 3, 7);
+            } else {
+                AMX_PRODUCT(2, 4, 6, wb + kb * (i + 2), rs, xb + 16 * kb * (i + 2), prod[2]);
+                AMX_PRODUCT(3, 5, 7, wb + kb * (i + 3), rs, xb + 16 * kb * (i + 3), prod[3]);
+            }
+            for (int h = 0; h < (mins ? 2 : 4); h++) {
+                const int32_t *sc = a->sc + 256 * b + (i + h) * kb / 16;
+#pragma GCC unroll 16
+                for (int n = 0; n < 16; n++)
+                    s[n] = _mm512_add_epi32(s[n], _mm512_mullo_epi32(_mm512_load_si512(prod[h] + 16 * n), _mm512_set1_epi32(sc[16 * n])));
+            }
+        }
+        if (mins) _tile_stored(2, msum, 64);
+        const __m512 dx = _mm512_load_ps(d + 16 * b);
+#pragma GCC unroll 16
+        for (int n = 0; n < 16; n++) {
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n]), _mm512_mul_ps(_mm512_set1_ps(a->dw[16 * b + n]), dx), acc[n]);
+            if (mins)
+                accm[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(msum + 16 * n)),
+                                          _mm512_mul_ps(_mm512_set1_ps(a->dm[16 * b + n]), dx), accm[n]);
+        }
+    }
+    float out[256] __attribute__((aligned(64)));
+    for (int n = 0; n < 16; n++) _mm512_store_ps(out + 16 * n, mins ? _mm512_sub_ps(acc[n], accm[n]) : acc[n]);
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < nr; j++) y[m * ldy + j] = out[16 * j + m];
+}
+
+/* The same for 32-blocks: tile rows wa[0].s.. (row stride rs). */
+static void amx_a(int t, const int8_t *w0, int64_t rs, const amx_tile *a, int64_t k, const uint8_t *p, int rows,
+                  int nr, float *y, int64_t ldy) {
+    const int mins = has_min_a(t);
+    const float *d = (const float *)(p + 16 * k), *ds = d + (k / 32) * 16;
+    int32_t prod[4][256] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int n = 0; n < 16; n++) acc[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        const int8_t *w = w0 + 32 * b;
+        const uint8_t *x = p + 16 * 32 * b;
+        switch (b & 3) {
+        case 0: AMX_PRODUCT(0, 4, 6, w, rs, x, prod[0]); break;
+        case 1: AMX_PRODUCT(1, 5, 7, w, rs, x, prod[1]); break;
+        case 2: AMX_PRODUCT(2, 4, 6, w, rs, x, prod[2]); break;
+        default: AMX_PRODUCT(3, 5, 7, w, rs, x, prod[3]); break;
+        }
+        const int32_t *c = prod[b & 3];
+        const __m512 dx = _mm512_load_ps(d + 16 * b), dsx = _mm512_load_ps(ds + 16 * b);
+#pragma GCC unroll 16
+        for (int n = 0; n < 16; n++) {
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * n)),
+                                     _mm512_mul_ps(dx, _mm512_set1_ps(a->dw[16 * b + n])), acc[n]);
+            if (mins) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(a->dm[16 * b + n]), dsx, acc[n]);
+        }
+    }
+    float out[256] __attribute__((aligned(64)));
+    for (int n = 0; n < 16; n++) _mm512_store_ps(out + 16 * n, acc[n]);
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < nr; j++) y[m * ldy + j] = out[16 * j + m];
+}
+#endif
+
+/* The fewest rows of a group that go to AMX (tests straddle it). */
+int raymoe_blocks_amx_min_rows(void) {
+#ifdef HAVE_AMX
+    return AMX_MIN_ROWS;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the many-row products use AMX: on asks for it (granted where this build and the CPU
+ * and kernel allow it). Returns whether they do now. */
+int raymoe_blocks_set_amx(int on) {
+#ifdef HAVE_AMX
+    amx_on = on && amx_permitted();
+    return amx_on;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* raymoe_blocks_grouped's fast mode for groups of many rows (quantised weight types only):
- * each (group, MANY_TILE weight rows) is one parallel work item. Returns 0, or -1 when out of
- * memory. */
+ * each (group, MANY_TILE weight rows) is one parallel work item. With AMX on (and a type with a
+ * sub-block of 32 or 16), the activations are also packed per group in blocks of 16 rows and
+ * each item multiplies by tiles. Returns 0, or -1 when out of memory. */
 int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, const uint8_t *raw, int64_t w_stride,
                                const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
     if (is_float(t)) return -2;
     const int kq = is_k_quant(t), qb = kq ? QK : 32;
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), tiles = (n + MANY_TILE - 1) / MANY_TILE;
+#ifdef HAVE_AMX
+    const int amx = amx_on;
+#else
+    const int amx = 0;
+#endif
     /* AVX-512's 32-block kernel takes q + 128 (dpbusd multiplies unsigned by signed bytes) */
     const int natural = ARCH == 2 && !kq ? 2 : 1;
     quantized_x xq = alloc_x(t, m, k, qb, 1);
-    if (!x_allocated(&xq)) {
+    /* AMX: the first packed block of each group, and room for them all */
+    int64_t *first = amx ? malloc((size_t)(count + 1) * sizeof(int64_t)) : NULL;
+    uint8_t *packed = NULL;
+#ifdef HAVE_AMX
+    const size_t pack_size = amx_pack_bytes(k, qb);
+    if (first) {
+        first[0] = 0;
+        for (int64_t g = 0; g < count; g++) first[g + 1] = first[g] + (amx_group(groups + 3 * g) ? (groups[3 * g + 2] - groups[3 * g + 1] + 15) / 16 : 0);
+        packed = alloc64((size_t)first[count] * pack_size + 64);
+    }
+#endif
+    if (!x_allocated(&xq) || (amx && !packed)) {
         free_x(&xq);
+        free(first);
+        free(packed);
         return -1;
     }
-    /* one tile row: 32-blocks: u and s [kq] (zero past k), wd, wm and wcorr [lanes], dw and dm
+    /* one tile row: 32-blocks: u and s [kq] (zero past k), wcorr [lanes], dw and dm
      * [nb]; K-quants: k / QK super-blocks */
     const int64_t lanes = 8 * xq.nb; /* a multiple of 16: 64-byte arrays */
     const size_t row_size = kq ? (size_t)(k / QK) * sizeof(block_k)
-                               : 2 * (size_t)xq.kq + 3 * (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
+                               : 2 * (size_t)xq.kq + (size_t)lanes * 4 + 2 * (size_t)xq.nb * sizeof(float);
+    const size_t row_stride = (row_size + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel
     {
-        uint8_t *buffer = zalloc64(MANY_TILE * ((row_size + 63) / 64 * 64));
+        size_t extra = 0;
+#ifdef HAVE_AMX
+        if (amx) {
+            extra = amx_tile_bytes(k);
+            amx_configure(amx_sub(t), kq && has_min_k(t));
+        }
+#endif
+        uint8_t *buffer = zalloc64(MANY_TILE * row_stride + extra);
         tile_row_a wa[MANY_TILE];
         block_k *wk[MANY_TILE];
         for (int j = 0; buffer && j < MANY_TILE; j++) {
-            uint8_t *p = buffer + j * ((row_size + 63) / 64 * 64);
+            uint8_t *p = buffer + j * row_stride;
             wk[j] = (block_k *)p;
             wa[j].a.u = p;
             wa[j].s = (int8_t *)(p + xq.kq);
-            wa[j].wd = (float *)(p + 2 * xq.kq);
-            wa[j].wm = wa[j].wd + lanes;
-            wa[j].wcorr = (int32_t *)(wa[j].wm + lanes);
+            wa[j].wcorr = (int32_t *)(p + 2 * xq.kq);
             wa[j].a.dw = (float *)(wa[j].wcorr + lanes);
             wa[j].a.dm = wa[j].a.dw + xq.nb;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
+        for (int64_t i = 0; i < m; i++)
+#if ARCH == 2
+            quantize_row_natural(x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
+#else
+            quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
+#endif
+#ifdef HAVE_AMX
+        if (amx) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < count; g++)
+                for (int64_t r = groups[3 * g + 1], at = first[g]; amx_group(groups + 3 * g) && r < groups[3 * g + 2]; r += 16, at++)
+                    amx_pack(&xq, k, qb, natural == 2, r, (int)(groups[3 * g + 2] - r < 16 ? groups[3 * g + 2] - r : 16),
+                             packed + at * pack_size);
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < count * tiles; item++) {
             if (!buffer) {
@@ -1481,10 +1853,30 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             const int64_t r0 = item % tiles * MANY_TILE;
             const int nr = (int)(n - r0 < MANY_TILE ? n - r0 : MANY_TILE);
             for (int j = 0; j < nr; j++) unpack_tile_row(t, raw + group[0] * w_stride + (r0 + j) * row_bytes, k, wa, wk, j);
+#ifdef HAVE_AMX
+            if (amx && amx_group(group)) {
+                const amx_tile at = amx_tile_at(buffer + MANY_TILE * row_stride, k);
+                for (int j = 0; j < nr; j++) amx_tile_row(t, k, wa, wk, &at, j);
+                int64_t pb = first[item / tiles];
+                for (int64_t r = group[1]; r < group[2]; r += 16, pb++) {
+                    const int rows = (int)(group[2] - r < 16 ? group[2] - r : 16);
+                    if (kq)
+                        amx_k(t, wk[0], (int64_t)row_stride, &at, k, packed + pb * pack_size, rows, nr, y + r * ldy + r0, ldy);
+                    else
+                        amx_a(t, wa[0].s, (int64_t)row_stride, &at, k, packed + pb * pack_size, rows, nr, y + r * ldy + r0, ldy);
+                }
+                continue;
+            }
+#endif
             many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy);
         }
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
         free(buffer);
     }
     free_x(&xq);
+    free(first);
+    free(packed);
     return failed ? -1 : 0;
 }
