@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,20 +208,72 @@ def split_parts(path: str) -> list[str]:
     return parts
 
 
-HUGE_PAGE = 2 << 20
+DIRECT_ALIGN = 4096          # O_DIRECT offsets, lengths and buffer addresses: multiples of this
+DIRECT_CHUNK = 32 << 20      # bytes per direct read
+DIRECT_MIN = 4 << 20         # smaller reads go through the page cache
 
 
-def weight_buffer(shape) -> torch.Tensor:
-    """An uninitialised uint8 tensor for weight bytes. Buffers of a huge page or more are mapped with
-    transparent huge pages asked for (the kernel's default here is "madvise"): a decode step reads
-    every weight once, and with 4 KB pages its reads stall on TLB misses (measured: batch-1 decode
-    7% faster at one thread); loading also takes 512 times fewer page faults."""
-    n = int(np.prod(shape, dtype=np.int64))
-    if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=torch.uint8)
-    region = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # shared memory gets no huge pages
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8).reshape(shape)
+class _Bounce:
+    """Two page-aligned buffers per process for direct reads, made on first use: the disk fills one
+    while the other is copied out."""
+    regions: list[mmap.mmap] = []
+
+    @classmethod
+    def get(cls) -> list[memoryview]:
+        if not cls.regions:
+            cls.regions = [mmap.mmap(-1, DIRECT_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+        return [memoryview(r) for r in cls.regions]
+
+
+def read_into(path: str, offset: int, parts: list[np.ndarray]) -> bool:
+    """Reads the file from offset on into the flat uint8 arrays `parts`, one after the other (e.g. the
+    experts of a tensor into their rows of a fused buffer); False if the file ends first. Large reads
+    bypass the page cache (O_DIRECT, through an aligned buffer): measured here 1.3 GB/s against
+    0.5-0.8 GB/s through the cache, and the cache is not filled with a second copy of the weights.
+    Where the file system refuses O_DIRECT, reads go through the cache."""
+    if sum(p.nbytes for p in parts) >= DIRECT_MIN and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                return _read_direct(fd, offset, parts)
+            except OSError:
+                pass                    # e.g. EINVAL: this file system takes no direct reads
+            finally:
+                os.close(fd)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return all(f.readinto(p) == p.nbytes for p in parts)
+
+
+def _read_direct(fd: int, offset: int, parts: list[np.ndarray]) -> bool:
+    bounce = _Bounce.get()
+    pos = offset - offset % DIRECT_ALIGN             # aligned start; the bytes before offset are skipped
+    skip, part, done = offset - pos, 0, 0            # the part being filled and its bytes so far
+    parts = [p for p in parts if p.nbytes]
+    left = sum(p.nbytes for p in parts) + skip       # bytes still to read from pos
+    with ThreadPoolExecutor(1) as disk:              # preadv and the copies release the GIL
+        reading, which = disk.submit(os.preadv, fd, [bounce[0]], pos), 0
+        while part < len(parts):
+            got = reading.result()
+            if got <= skip:
+                return False
+            pos, left = pos + got, left - got
+            if left > 0:        # the next chunk comes in while this one is copied out
+                reading = disk.submit(os.preadv, fd, [bounce[1 - which]], pos)
+            chunk = np.frombuffer(bounce[which], np.uint8, got - skip, skip)
+            while len(chunk) and part < len(parts):
+                take = min(len(chunk), parts[part].nbytes - done)
+                parts[part][done:done + take] = chunk[:take]
+                chunk, done = chunk[take:], done + take
+                if done == parts[part].nbytes:
+                    part, done = part + 1, 0
+            skip, which = 0, 1 - which
+            if part < len(parts) and left <= 0:
+                return False
+    return True
 
 
 class GGUFFile:
@@ -276,18 +329,15 @@ class GGUFFile:
                 raise ModelFormatError(f"{self.path}: tensor {name} {list(shape)} has no slice {leading}")
             raw_shape, first = (len(leading), *raw_shape[1:]), leading.start
         if out is None:
-            out = weight_buffer(raw_shape)
+            out = torch.empty(raw_shape, dtype=torch.uint8)
         elif tuple(out.shape) != raw_shape:
             raise ValueError(f"tensor {name}: {list(raw_shape)} bytes do not fit a buffer of {list(out.shape)}")
         parts = [out] if out.is_contiguous() else list(out)
         if not all(part.is_contiguous() for part in parts):
             raise ValueError(f"tensor {name}: the buffer's rows are not contiguous per leading index")
         per_leading = t.n_bytes // shape[0] if len(shape) > 1 else t.n_bytes
-        with open(t.path, "rb") as f:
-            f.seek(t.data_offset + first * per_leading)
-            for part in parts:
-                if f.readinto(part.numpy().reshape(-1)) != part.numel():
-                    raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
+        if not read_into(t.path, t.data_offset + first * per_leading, [p.numpy().reshape(-1) for p in parts]):
+            raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
         return out, t.tensor_type
 
     def get(self, name: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
 from .family import global_tensor_shapes
-from .gguf_file import GGUFFile, weight_buffer
+from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = tuple(EMBEDDED)
 
@@ -105,7 +105,7 @@ class ModelFiles:
                 if experts is not None:
                     first[0] = len(experts)
                 first[dim] = sum(widths)
-                data, start = weight_buffer(first), 0
+                data, start = torch.empty(first, dtype=torch.uint8), 0
                 for name, width in zip(names, widths):
                     self.source.raw_tensor(name, experts, out=data.narrow(dim, start, width))
                     start += width

@@ -97,6 +97,41 @@ def test_weights_stay_in_their_blocks_and_fuse_only_when_types_match(f32_file, t
     assert 0 < (fast - a).abs().mean() < 0.5
 
 
+def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch):
+    """Large tensors are read past the page cache (O_DIRECT, through an aligned buffer): with the size
+    limit lowered, every tensor, an expert slice and a fused buffer's columns come back as the file
+    holds them, whatever their offsets; a file cut short is refused."""
+    import stages.gguf_file as gf
+    try:
+        os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system takes no O_DIRECT reads: reads go through the page cache")
+    direct = []
+    read = gf._read_direct
+    monkeypatch.setattr(gf, "_read_direct", lambda *a: direct.append(1) or read(*a))
+    monkeypatch.setattr(gf, "DIRECT_MIN", 1)
+    monkeypatch.setattr(gf, "DIRECT_CHUNK", 8192)        # several chunks per tensor
+    monkeypatch.setattr(gf._Bounce, "regions", [])
+    g = GGUFFile(f32_file)
+    file_bytes = np.memmap(f32_file, dtype=np.uint8, mode="r")
+    for name, t in g.tensors.items():
+        raw, _ = g.raw_tensor(name)
+        assert np.array_equal(raw.numpy().reshape(-1), file_bytes[t.data_offset:t.data_offset + t.n_bytes]), name
+    name = "blk.0.ffn_up_exps.weight"
+    whole, _ = g.raw_tensor(name)
+    assert torch.equal(g.raw_tensor(name, range(3, 6))[0], whole[3:6])
+    wide = torch.zeros(whole.shape[0], whole.shape[1] + 3, whole.shape[2], dtype=torch.uint8)   # gate | up rows
+    g.raw_tensor(name, out=wide.narrow(1, 2, whole.shape[1]))
+    assert torch.equal(wide[:, 2:-1], whole) and not wide[:, :2].any() and not wide[:, -1].any()
+    assert len(direct) > len(g.tensors)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(f32_file, "rb").read()[:-100])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        g = GGUFFile(str(cut))
+        for name in g.tensors:
+            g.raw_tensor(name)
+
+
 def test_trailing_unit_dimensions_are_absent(f32_file, tmp_path):
     """A vector stored as [n_embd, 1] (llama.cpp's converter writes ffn_gate_inp_shexp so) is a vector."""
     hidden = GGUFFile(f32_file).metadata["qwen35moe.embedding_length"]
