@@ -13,7 +13,7 @@ import time
 
 import pytest
 from serve_util import ROOT, descendants
-from test_ray_job import BIN, free_port
+from test_ray_job import BIN, free_ports
 
 from deploy import generate
 
@@ -22,11 +22,13 @@ REQUESTS = [{"id": "greedy", "prompt": "Hello there", "max_tokens": 8, "temperat
             {"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}]
 
 
-def start_node(args: list[str], log, env) -> subprocess.Popen:
-    # every port of its own: other clusters on this machine hold Ray's default ones
-    own_ports = [f"--{name}={free_port()}" for name in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "node-manager-port", "object-manager-port")]
+# every port of its own: other clusters on this machine hold Ray's default ones
+PORT_FLAGS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+              "metrics-export-port", "node-manager-port", "object-manager-port")
+
+
+def start_node(args: list[str], ports: list[int], log, env) -> subprocess.Popen:
+    own_ports = [f"--{name}={p}" for name, p in zip(PORT_FLAGS, ports)]
     return subprocess.Popen([os.path.join(BIN, "ray"), "start", "--block", "--num-cpus=2",
                              "--object-store-memory=200000000", "--disable-usage-stats", *own_ports, *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -56,18 +58,19 @@ def wait_started(proc: subprocess.Popen, log_path):
 def two_nodes(tmp_path):
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
-    port = free_port()
+    port, client, *node_ports = free_ports(2 + 2 * len(PORT_FLAGS))     # all distinct
     address = f"127.0.0.1:{port}"
     temp_dir = tempfile.mkdtemp(prefix="raymoe-2n-")      # short: Ray's socket paths must fit 107 bytes
     nodes = []
     try:
         for name, args in [("head", ["--head", f"--port={port}", "--include-dashboard=false",
-                                     f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
+                                     f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}",
                                      '--resources={"node_a": 1}']),
                            ("worker", [f"--address={address}", '--resources={"node_b": 1}'])]:
             log_path = tmp_path / f"{name}.log"
             with open(log_path, "w") as log:
-                nodes.append(start_node(args, log, env))
+                ports = node_ports[:len(PORT_FLAGS)] if name == "head" else node_ports[len(PORT_FLAGS):]
+                nodes.append(start_node(args, ports, log, env))
             wait_started(nodes[-1], log_path)
         yield address, env, nodes
     finally:

@@ -14,20 +14,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen (ports taken one at a time
+    can repeat, and Ray refuses two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @pytest.fixture
 def head_node(tmp_path):
     """`ray start --head --block` in its own process group; killing the group stops that cluster only."""
-    port, dash = free_port(), free_port()
     # every port of its own: the suite's local cluster holds Ray's default ones
-    own_ports = [f"--{name}={free_port()}" for name in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "node-manager-port", "object-manager-port", "ray-client-server-port")]
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port", "node-manager-port", "object-manager-port", "ray-client-server-port")
+    port, dash, *ports = free_ports(2 + len(names))
+    own_ports = [f"--{name}={p}" for name, p in zip(names, ports)]
     log = open(tmp_path / "head.log", "w")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
