@@ -413,7 +413,8 @@ def evict_from_page_cache(path: str) -> None:
     the engine that runs first pays the disk and the next ones read memory."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.fsync(fd)        # a file just written has dirty pages, which stay cached and are written back
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # while the next engine loads
     finally:
         os.close(fd)
 
