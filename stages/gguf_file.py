@@ -263,10 +263,12 @@ def _read_direct(fd: int, offset: int, parts: list[np.ndarray]) -> bool:
             pos, left = pos + got, left - got
             if left > 0:        # the next chunk comes in while this one is copied out
                 reading = disk.submit(os.preadv, fd, [bounce[1 - which]], pos)
-            chunk = np.frombuffer(bounce[which], np.uint8, got - skip, skip)
+            chunk = torch.frombuffer(bounce[which], dtype=torch.uint8, count=got - skip, offset=skip)
             while len(chunk) and part < len(parts):
                 take = min(len(chunk), parts[part].nbytes - done)
-                parts[part][done:done + take] = chunk[:take]
+                # torch copies on all its threads: the copy faults the tensors' fresh pages in, which on a
+                # full machine means reclaiming the page cache, a cost spread over the cores
+                torch.from_numpy(parts[part][done:done + take]).copy_(chunk[:take])
                 chunk, done = chunk[take:], done + take
                 if done == parts[part].nbytes:
                     part, done = part + 1, 0
