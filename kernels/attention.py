@@ -23,7 +23,7 @@ SOURCE = Path(__file__).parent / "csrc" / "attention.c"
 
 @lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    lib = native.load_source(SOURCE)
+    lib = native.load_source(SOURCE, fallback="decode attention runs as torch operations")
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.raymoe_attention_rows.argtypes = [p, i, i, i, p, p, i, i, i, p, p, ctypes.c_float, i, p, p]

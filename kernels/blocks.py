@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -43,16 +42,8 @@ _SIZES = {int(t): GGML_QUANT_SIZES[t] for t in TYPES}  # elements, bytes per blo
 def load(arch: str | None = None) -> ctypes.CDLL | None:
     """The library built for -march=arch (default native.march()), or None where it can't be
     built or loaded here (the reason is logged once)."""
-    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
-        return None
-    cc = native.compiler()
-    if cc is None:
-        log.warning("no C compiler found: no block kernels")
-        return None
-    try:
-        lib = ctypes.CDLL(str(native._build(cc, SOURCE, arch, EXTRA_FLAGS)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("block kernels unavailable (%s)", e)
+    lib = native.load_source(SOURCE, arch, EXTRA_FLAGS, fallback="no block kernels")
+    if lib is None:
         return None
     p, i, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.raymoe_blocks_arch.restype = c

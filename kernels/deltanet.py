@@ -19,9 +19,6 @@ computes them (the chunked form also when numpy's BLAS is not scipy-openblas). O
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +30,6 @@ from . import native
 from .gpu_ops import use_triton
 from .norms import gated_rms_norm
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "deltanet.c"
 # no fused multiply-adds: the C rounds step by step as torch's separate operations do; sqrtf inline
@@ -44,16 +40,8 @@ EXTRA_FLAGS = ("-ffp-contract=off", "-fno-math-errno")
 def library() -> ctypes.CDLL | None:
     """The compiled DeltaNet kernels for this machine, or None where they can't be built here (the
     reason is logged once)."""
-    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
-        return None
-    cc = native.compiler()
-    if cc is None:
-        log.warning("no C compiler found: the DeltaNet glue runs as torch operations")
-        return None
-    try:
-        lib = ctypes.CDLL(str(native._build(cc, SOURCE, None, EXTRA_FLAGS)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("DeltaNet kernels unavailable (%s): the glue runs as torch operations", e)
+    lib = native.load_source(SOURCE, None, EXTRA_FLAGS, fallback="the DeltaNet glue runs as torch operations")
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.raymoe_dn_conv.argtypes = [i, i, i, p, i, i, p, i, p, p, p]

@@ -82,35 +82,28 @@ def compiler() -> str | None:
 
 
 @lru_cache(maxsize=None)
-def load_source(source: Path, arch: str | None = None, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load_source(source: Path, arch: str | None = None, extra: tuple[str, ...] = (),
+                fallback: str = "torch computes instead") -> ctypes.CDLL | None:
     """The library built from `source` for -march=arch (default march()), or None where it can't be
-    built or loaded here (the reason is logged once): callers then keep their torch code."""
+    built or loaded here (the reason is logged once, with `fallback`: what runs instead)."""
     if os.environ.get("RAYMOE_NATIVE", "1") == "0":
         return None
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler found: %s is not used", source.name)
+        log.warning("no C compiler found: %s", fallback)
         return None
     try:
         return ctypes.CDLL(str(_build(cc, source, arch, extra)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("%s unavailable (%s)", source.name, e)
+        log.warning("native kernels unavailable (%s): %s", e, fallback)
         return None
 
 
 @lru_cache(maxsize=None)
 def few_rows() -> ctypes.CDLL | None:
     """The loaded library, or None where it can't be used here (the reason is logged once)."""
-    if os.environ.get("RAYMOE_NATIVE", "1") == "0":
-        return None
-    cc = compiler()
-    if cc is None:
-        log.warning("no C compiler found: few-row products use OpenBLAS and PyTorch (slower decode)")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native kernels unavailable (%s): few-row products use OpenBLAS and PyTorch", e)
+    lib = load_source(SOURCE, fallback="few-row products use OpenBLAS and PyTorch (slower decode)")
+    if lib is None:
         return None
     if not lib.raymoe_few_rows_available():
         log.info("this CPU has no AVX-512 VNNI: few-row products use OpenBLAS and PyTorch")
