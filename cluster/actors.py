@@ -63,6 +63,7 @@ class ExpertActor:
         w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
         spec = model.arch.moe_spec(model.config)
         self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
+        w.finish()
 
     @torch.inference_mode()
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):

@@ -5,7 +5,6 @@ own layers through `ModelFiles.weight`.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from kernels.int8 import quantize_rows
-from kernels.weights import BLOCK_TYPES, F32, BlockWeight, DenseWeight, cat_weights
+from kernels.weights import BLOCK_TYPES, F32, BlockWeight, ConcatWeight, DenseWeight, cat_weights
 from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
@@ -73,15 +72,16 @@ class ModelFiles:
             t = t[experts.start:experts.stop].clone()
         return t.float().contiguous()
 
-    def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None):
+    def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None, pending: list | None = None):
         """A weight matrix (or stack of them) for products, in the form `mode` asks (see MODES); with
-        `experts`, only that slice of its leading (expert) dimension."""
+        `experts`, only that slice of its leading (expert) dimension. With `pending`, its bytes may
+        still be arriving on return (see finish_reads)."""
         if mode == "int8":
             t = self.tensor(name, shape, experts)
             return quantize_rows(t) or DenseWeight(t)
         if isinstance(self.source, GGUFFile):
             self._check_shape(name, self.source.info(name).torch_shape, shape)
-            data, ggml_type = self.source.raw_tensor(name, experts)
+            data, ggml_type = self.source.raw_tensor(name, experts, pending)
         else:
             raw = self.source.raw_tensor(name) if hasattr(self.source, "raw_tensor") else None
             if raw is None:
@@ -92,25 +92,21 @@ class ModelFiles:
                 data = data[experts.start:experts.stop].clone()
         return self._weight(name, data, ggml_type, shape[-1], mode)
 
-    def fused_matrix(self, names: list[str], shapes: list[tuple], mode: str, dim: int, experts: range | None = None):
-        """Weights joined along output dimension `dim`, as kernels.weights.cat_weights joins them; where all
-        are GGUF tensors of one type, their bytes are read straight into the joined buffer (no second copy)."""
-        if mode != "int8" and isinstance(self.source, GGUFFile):
-            infos = [self.source.info(n) for n in names]
-            if len({(i.tensor_type, i.shape[0]) for i in infos}) == 1:
-                for name, shape, info in zip(names, shapes, infos):
-                    self._check_shape(name, info.torch_shape, shape)
-                widths = [shape[dim] for shape in shapes]
-                first = list(shapes[0][:-1]) + [infos[0].n_bytes // math.prod(shapes[0][:-1])]
-                if experts is not None:
-                    first[0] = len(experts)
-                first[dim] = sum(widths)
-                data, start = torch.empty(first, dtype=torch.uint8), 0
-                for name, width in zip(names, widths):
-                    self.source.raw_tensor(name, experts, out=data.narrow(dim, start, width))
-                    start += width
-                return self._weight(names[0], data, infos[0].tensor_type, shapes[0][-1], mode)
+    def fused_matrix(self, names: list[str], shapes: list[tuple], mode: str, dim: int, experts: range | None = None,
+                     pending: list | None = None):
+        """Weights joined along output dimension `dim`, as kernels.weights.cat_weights joins them; but
+        expert stacks (dim 1) from a GGUF file stay one weight per tensor, each product writing its own
+        columns: joining gate and up experts would copy two thirds of a MoE file at load, and decode
+        measured no slower with them apart (docs/memory.md)."""
+        if dim == 1 and len(names) > 1 and mode != "int8" and isinstance(self.source, GGUFFile):
+            return ConcatWeight([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim)
         return cat_weights([self.matrix(n, s, mode, experts) for n, s in zip(names, shapes)], dim)
+
+    def finish_reads(self, pending: list) -> None:
+        """Waits for the bytes that matrix() left arriving; a file that ended first is refused here."""
+        from .gguf_file import finish_reads
+        if not finish_reads(pending):
+            raise ModelFormatError(f"{self.path}: truncated GGUF file")
 
     def _weight(self, name: str, data: torch.Tensor, ggml_type: int, k: int, mode: str):
         if int(ggml_type) == F32:

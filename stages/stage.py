@@ -38,19 +38,29 @@ class StageWeights:
         self.model, self.shapes, self.mode, self.progress = model, shapes, mode, progress
         self.device = torch.device(device)
         self.nbytes = 0
+        self.pending: list = []        # reads still filling weights handed out (see finish)
+        if hasattr(model.source, "prefetch"):
+            model.source.prefetch(shapes)
 
     def __call__(self, name: str, experts: range | None = None) -> torch.Tensor:
         return self._count(self.model.tensor(name, self.shapes[name], experts))
 
     def matrix(self, name: str, experts: range | None = None):
-        return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts))
+        return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts, self.pending))
 
     def matrices(self, names: list[str], dim: int, experts: range | None = None):
-        """Weights joined along output dimension `dim` (as kernels.weights.cat_weights), read into one buffer."""
-        return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts))
+        """Weights joined along output dimension `dim` (see ModelFiles.fused_matrix)."""
+        return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts,
+                                                   self.pending))
+
+    def finish(self) -> None:
+        """Waits until every weight handed out holds its bytes: call it before using them. Reading
+        the next tensors while the disk still fills the last ones keeps the disk busy."""
+        self.model.finish_reads(self.pending)
 
     def _count(self, t):
         if self.device.type != "cpu":
+            self.finish()
             t = t.to(self.device)
         self.nbytes += t.nbytes
         if self.progress:
@@ -79,6 +89,7 @@ class Stage:
         if self.last:
             self.norm = w("output_norm.weight")
             self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
+        w.finish()
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
 

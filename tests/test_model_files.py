@@ -97,10 +97,12 @@ def test_weights_stay_in_their_blocks_and_fuse_only_when_types_match(f32_file, t
     assert 0 < (fast - a).abs().mean() < 0.5
 
 
-def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch):
-    """Large tensors are read past the page cache (O_DIRECT, through an aligned buffer): with the size
-    limit lowered, every tensor, an expert slice and a fused buffer's columns come back as the file
-    holds them, whatever their offsets; a file cut short is refused."""
+@pytest.mark.parametrize("populate", [True, False], ids=["madvise", "written"])
+def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, populate):
+    """Large tensors are read past the page cache (O_DIRECT, straight into pages faulted in ahead,
+    by madvise or, where it is refused, by writing them): with the size limit lowered, every tensor
+    and an expert slice come back as the file holds them, whatever their offsets, whether read at
+    once or left running until finish_reads; a file cut short is refused either way."""
     import stages.gguf_file as gf
     try:
         os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
@@ -111,25 +113,32 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch):
     monkeypatch.setattr(gf, "_read_direct", lambda *a: direct.append(1) or read(*a))
     monkeypatch.setattr(gf, "DIRECT_MIN", 1)
     monkeypatch.setattr(gf, "DIRECT_CHUNK", 8192)        # several chunks per tensor
-    monkeypatch.setattr(gf._Bounce, "regions", [])
+    if not populate:
+        monkeypatch.setattr(gf, "MADV_POPULATE_WRITE", -1)     # an advice every kernel refuses
     g = GGUFFile(f32_file)
     file_bytes = np.memmap(f32_file, dtype=np.uint8, mode="r")
+    pending, later = [], []
     for name, t in g.tensors.items():
+        expected = file_bytes[t.data_offset:t.data_offset + t.n_bytes]
         raw, _ = g.raw_tensor(name)
-        assert np.array_equal(raw.numpy().reshape(-1), file_bytes[t.data_offset:t.data_offset + t.n_bytes]), name
+        assert np.array_equal(raw.numpy().reshape(-1), expected), name
+        later.append((g.raw_tensor(name, pending=pending)[0], expected, name))
+    assert gf.finish_reads(pending) and not pending
+    for raw, expected, name in later:
+        assert np.array_equal(raw.numpy().reshape(-1), expected), name
     name = "blk.0.ffn_up_exps.weight"
     whole, _ = g.raw_tensor(name)
     assert torch.equal(g.raw_tensor(name, range(3, 6))[0], whole[3:6])
-    wide = torch.zeros(whole.shape[0], whole.shape[1] + 3, whole.shape[2], dtype=torch.uint8)   # gate | up rows
-    g.raw_tensor(name, out=wide.narrow(1, 2, whole.shape[1]))
-    assert torch.equal(wide[:, 2:-1], whole) and not wide[:, :2].any() and not wide[:, -1].any()
-    assert len(direct) > len(g.tensors)
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(open(f32_file, "rb").read()[:-100])
+    assert len(direct) > 2 * len(g.tensors)
+    cut = tmp_path / "cut.gguf"           # cut short after it was opened (opening checks the sizes)
+    cut.write_bytes(open(f32_file, "rb").read())
+    g = GGUFFile(str(cut))
+    os.truncate(cut, os.path.getsize(cut) - 100)
+    last = max(g.tensors, key=lambda n: g.tensors[n].data_offset)
     with pytest.raises(ModelFormatError, match="truncated"):
-        g = GGUFFile(str(cut))
-        for name in g.tensors:
-            g.raw_tensor(name)
+        g.raw_tensor(last)
+    g.raw_tensor(last, pending=pending)
+    assert not gf.finish_reads(pending)
 
 
 def test_trailing_unit_dimensions_are_absent(f32_file, tmp_path):
