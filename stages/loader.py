@@ -18,7 +18,7 @@ from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
 from .family import global_tensor_shapes
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, finish_reads
 
 EMBEDDED_MODELS = tuple(EMBEDDED)
 
@@ -104,7 +104,6 @@ class ModelFiles:
 
     def finish_reads(self, pending: list) -> None:
         """Waits for the bytes that matrix() left arriving; a file that ended first is refused here."""
-        from .gguf_file import finish_reads
         if not finish_reads(pending):
             raise ModelFormatError(f"{self.path}: truncated GGUF file")
 
