@@ -240,12 +240,7 @@ def read_bytes(path: str, offset: int, nbytes: int, pending: list | None = None)
     bytes are there (and the file long enough) once finish_reads(pending) returns True. The next
     tensors' pages are then prepared while the disk still fills this one's."""
     if nbytes >= DIRECT_MIN and hasattr(os, "O_DIRECT"):
-        try:
-            os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-        except OSError:
-            pass
-        else:
-            return _read_direct(path, offset, nbytes, pending)
+        return _read_direct(path, offset, nbytes, pending)
     out = torch.empty(nbytes, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(offset)
@@ -291,7 +286,7 @@ def _read_chunk(path: str, view: memoryview, pos: int, need: int) -> bool:
             return os.preadv(fd, [view], pos) >= need
         finally:
             os.close(fd)
-    except OSError:         # e.g. EINVAL: a file system that opens files for direct reads but refuses them
+    except OSError:         # a file system that refuses direct reads, at open or (EINVAL) at read
         with open(path, "rb", buffering=0) as f:
             return os.preadv(f.fileno(), [view], pos) >= need
 

@@ -18,7 +18,7 @@ from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
 from .family import global_tensor_shapes
-from .gguf_file import GGUFFile, finish_reads
+from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = tuple(EMBEDDED)
 
@@ -75,7 +75,7 @@ class ModelFiles:
     def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None, pending: list | None = None):
         """A weight matrix (or stack of them) for products, in the form `mode` asks (see MODES); with
         `experts`, only that slice of its leading (expert) dimension. With `pending`, its bytes may
-        still be arriving on return (see finish_reads)."""
+        still be arriving on return (see gguf_file.finish_reads)."""
         if mode == "int8":
             t = self.tensor(name, shape, experts)
             return quantize_rows(t) or DenseWeight(t)
@@ -101,11 +101,6 @@ class ModelFiles:
         if dim == 1 and len(names) > 1 and mode != "int8" and isinstance(self.source, GGUFFile):
             return ConcatWeight([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim)
         return cat_weights([self.matrix(n, s, mode, experts) for n, s in zip(names, shapes)], dim)
-
-    def finish_reads(self, pending: list) -> None:
-        """Waits for the bytes that matrix() left arriving; a file that ended first is refused here."""
-        if not finish_reads(pending):
-            raise ModelFormatError(f"{self.path}: truncated GGUF file")
 
     def _weight(self, name: str, data: torch.Tensor, ggml_type: int, k: int, mode: str):
         if int(ggml_type) == F32:

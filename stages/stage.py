@@ -11,6 +11,8 @@ from kernels.norms import rms_norm
 from kernels.threads import torch_threads_for
 
 from .batch import StepBatch, StepContext
+from .errors import ModelFormatError
+from .gguf_file import finish_reads
 from .loader import MODES, ModelFiles
 from .sampling import sample_chunks
 
@@ -55,8 +57,10 @@ class StageWeights:
 
     def finish(self) -> None:
         """Waits until every weight handed out holds its bytes: call it before using them. Reading
-        the next tensors while the disk still fills the last ones keeps the disk busy."""
-        self.model.finish_reads(self.pending)
+        the next tensors while the disk still fills the last ones keeps the disk busy. A file that
+        ended first (cut short after it was opened) is refused here."""
+        if not finish_reads(self.pending):
+            raise ModelFormatError(f"{self.model.path}: truncated GGUF file")
 
     def _count(self, t):
         if self.device.type != "cpu":
