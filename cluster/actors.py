@@ -12,6 +12,7 @@ import resource
 import ray
 import torch
 
+from kernels.threads import loading_threads
 from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.memory import stage_need
@@ -60,10 +61,11 @@ class ExpertActor:
         torch.set_num_threads(args.threads)
         model = open_model(args.model, args.max_model_len)
         self.device = torch.device(args.device)
-        w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
-        spec = model.arch.moe_spec(model.config)
-        self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
-        w.finish()
+        with loading_threads(args.dtype):
+            w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
+            spec = model.arch.moe_spec(model.config)
+            self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
+            w.finish()
 
     @torch.inference_mode()
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):

@@ -388,7 +388,9 @@ def bench_real(folder: str, quick: bool) -> dict:
         print(f"{'engine':<14}" + "".join(f"{f:>15}" for f in fields))
         report[model] = {}
         for engine in REAL_ENGINES:
-            evict_from_page_cache(path)
+            for other in REAL_MODELS:         # the other file too: its cached pages would be reclaimed during the load
+                if os.path.exists(os.path.join(folder, f"{other}.gguf")):
+                    evict_from_page_cache(os.path.join(folder, f"{other}.gguf"))
             cmd = [sys.executable, "-m", "deploy.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
@@ -409,8 +411,9 @@ def bench_real(folder: str, quick: bool) -> dict:
 
 
 def evict_from_page_cache(path: str) -> None:
-    """Drops the file's pages from the page cache, so that every engine loads it from the disk: else
-    the engine that runs first pays the disk and the next ones read memory."""
+    """Drops the file's pages from the page cache, so that every engine loads it from the disk and
+    starts with the same free memory: else the engine that runs first pays the disk and the next
+    ones read memory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)        # a file just written has dirty pages, which stay cached and are written back

@@ -18,6 +18,7 @@ import torch
 
 from .dense import FEW_ROWS, group_table
 from .native import few_rows
+from .weights import join_tensors
 
 K_MULTIPLE = 16
 
@@ -79,8 +80,9 @@ class Int8Weight:
         return True
 
     @staticmethod
-    def cat(parts: list["Int8Weight"], dim: int) -> "Int8Weight":
-        return Int8Weight(torch.cat([p.q for p in parts], dim), torch.cat([p.scale for p in parts], dim))
+    def cat(parts: list["Int8Weight"], dim: int, pending: list | None = None) -> "Int8Weight":
+        return Int8Weight(join_tensors([p.q for p in parts], dim, pending),
+                          join_tensors([p.scale for p in parts], dim, pending))
 
 
 def quantize_rows(w: torch.Tensor) -> Int8Weight | None:

@@ -67,8 +67,8 @@ class DenseWeight:
         return True
 
     @staticmethod
-    def cat(parts: list["DenseWeight"], dim: int) -> "DenseWeight":
-        return DenseWeight(torch.cat([p.t for p in parts], dim))
+    def cat(parts: list["DenseWeight"], dim: int, pending: list | None = None) -> "DenseWeight":
+        return DenseWeight(join_tensors([p.t for p in parts], dim, pending))
 
 
 class BlockWeight:
@@ -159,9 +159,10 @@ class BlockWeight:
         return (self.type, self.k, self.quantize_activations) == (other.type, other.k, other.quantize_activations)
 
     @staticmethod
-    def cat(parts: list["BlockWeight"], dim: int) -> "BlockWeight":
+    def cat(parts: list["BlockWeight"], dim: int, pending: list | None = None) -> "BlockWeight":
         first = parts[0]
-        return BlockWeight(torch.cat([p.raw for p in parts], dim), first.type, first.k, first.quantize_activations)
+        return BlockWeight(join_tensors([p.raw for p in parts], dim, pending), first.type, first.k,
+                           first.quantize_activations)
 
 
 class ConcatWeight:
@@ -219,9 +220,10 @@ def as_weight(w):
     return DenseWeight(w) if isinstance(w, torch.Tensor) else w
 
 
-def cat_weights(weights: list, dim: int = 0):
+def cat_weights(weights: list, dim: int = 0, pending: list | None = None):
     """Weights joined along an output dimension (0 for [N, K], 1 for [E, N, K]): neighbours of the
-    same kind and format fuse into one weight (one product); a ConcatWeight holds what is left."""
+    same kind and format fuse into one weight (one product); a ConcatWeight holds what is left.
+    `pending`: reads may still be filling the weights' bytes (see join_tensors)."""
     runs: list[list] = []
     for w in weights:
         w = as_weight(w)
@@ -230,5 +232,31 @@ def cat_weights(weights: list, dim: int = 0):
                 runs[-1].append(part)
             else:
                 runs.append([part])
-    fused = [run[0] if len(run) == 1 else type(run[0]).cat(run, dim) for run in runs]
+    fused = [run[0] if len(run) == 1 else type(run[0]).cat(run, dim, pending) for run in runs]
     return fused[0] if len(fused) == 1 else ConcatWeight(fused, dim)
+
+
+def join_tensors(tensors: list[torch.Tensor], dim: int, pending: list | None = None) -> torch.Tensor:
+    """torch.cat(tensors, dim). With `pending`, the list of reads still filling the tensors
+    (stages/gguf_file.py read_bytes), the join waits too: the tensor returned is filled when pending
+    is waited on, after those reads, and the load goes on reading meanwhile."""
+    if pending is None:
+        return torch.cat(tensors, dim)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+    pending.append(_Join(out, tensors, dim))
+    return out
+
+
+class _Join:
+    """A join left for later, waited on like a read: result() fills `out` and says it succeeded."""
+
+    def __init__(self, out: torch.Tensor, tensors: list[torch.Tensor], dim: int):
+        self.out, self.tensors, self.dim = out, tensors, dim
+
+    def result(self) -> bool:
+        if self.tensors:
+            torch.cat(self.tensors, self.dim, out=self.out)
+            self.tensors = None         # the parts' memory goes now
+        return True

@@ -100,7 +100,7 @@ class ModelFiles:
         measured no slower with them apart (docs/memory.md)."""
         if dim == 1 and len(names) > 1 and mode != "int8" and isinstance(self.source, GGUFFile):
             return ConcatWeight([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim)
-        return cat_weights([self.matrix(n, s, mode, experts) for n, s in zip(names, shapes)], dim)
+        return cat_weights([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim, pending)
 
     def _weight(self, name: str, data: torch.Tensor, ggml_type: int, k: int, mode: str):
         if int(ggml_type) == F32:

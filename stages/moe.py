@@ -11,7 +11,6 @@ import torch
 
 from kernels.linear import linear
 from kernels.moe import combine_slots, expert_slot_outputs, swiglu
-from kernels.weights import cat_weights
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class MoE:
             inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w.matrix(p + "ffn_gate_shexp.weight"),
                        w.matrix(p + "ffn_up_shexp.weight")]
             self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
-        self.inputs = cat_weights(inputs)
+        self.inputs = w.join(inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec

@@ -8,7 +8,8 @@ import torch
 
 from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
-from kernels.threads import torch_threads_for
+from kernels.threads import loading_threads, torch_threads_for
+from kernels.weights import cat_weights
 
 from .batch import StepBatch, StepContext
 from .errors import ModelFormatError
@@ -55,6 +56,11 @@ class StageWeights:
         return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts,
                                                    self.pending))
 
+    def join(self, weights: list, dim: int = 0):
+        """Weights handed out, joined along output dimension `dim` (kernels.weights.cat_weights); their
+        bytes may still be arriving, so the join waits with them (see finish)."""
+        return cat_weights(weights, dim, self.pending)
+
     def finish(self) -> None:
         """Waits until every weight handed out holds its bytes: call it before using them. Reading
         the next tensors while the disk still fills the last ones keeps the disk busy. A file that
@@ -87,13 +93,14 @@ class Stage:
         self.last = layers.stop == model.n_layers
         self.mode = mode
         shapes = model.expected_shapes(layers, self.first, self.last)
-        w = self.weights = StageWeights(model, shapes, mode, progress, device)
-        self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
-        self.layers = [model.arch.build_layer(model.config, w, i, remote_experts) for i in layers]
-        if self.last:
-            self.norm = w("output_norm.weight")
-            self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
-        w.finish()
+        with loading_threads(mode):
+            w = self.weights = StageWeights(model, shapes, mode, progress, device)
+            self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
+            self.layers = [model.arch.build_layer(model.config, w, i, remote_experts) for i in layers]
+            if self.last:
+                self.norm = w("output_norm.weight")
+                self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
+            w.finish()
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
 

@@ -141,6 +141,25 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, popu
     assert not gf.finish_reads(pending)
 
 
+def test_weights_joined_while_their_reads_run_get_the_files_bytes(f32_file, monkeypatch):
+    """Fused weights (qkv beside gate, the MoE router beside the shared expert's inputs) join parts
+    whose bytes may still be on their way: with every tensor read in the background, and each read
+    held back, the model computes exactly what it does read at once."""
+    import time
+
+    import stages.gguf_file as gf
+    try:
+        os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system takes no O_DIRECT reads: every tensor is read at once")
+    at_once, ids = prompt_logprobs(f32_file)
+    read = gf._read_chunk
+    monkeypatch.setattr(gf, "_read_chunk", lambda *a: time.sleep(0.002) or read(*a))
+    monkeypatch.setattr(gf, "DIRECT_MIN", 1)
+    in_background, ids_b = prompt_logprobs(f32_file)
+    assert ids_b == ids and torch.equal(in_background, at_once)
+
+
 def test_trailing_unit_dimensions_are_absent(f32_file, tmp_path):
     """A vector stored as [n_embd, 1] (llama.cpp's converter writes ffn_gate_inp_shexp so) is a vector."""
     hidden = GGUFFile(f32_file).metadata["qwen35moe.embedding_length"]
@@ -201,3 +220,24 @@ def test_a_full_width_file_loads_within_its_bytes_plus_a_gigabyte(tmp_path):
     held, peak = map(int, proc.stdout.split())
     size = os.path.getsize(path)
     assert held <= size and peak <= size + (1 << 30), (held, peak, size)
+
+
+def test_weights_load_on_one_torch_thread_except_requantising(f32_file, monkeypatch):
+    """Loading moves bytes: no second torch thread (an OpenMP worker left spinning would take a core
+    from the reader threads), except where --dtype int8 requantises every matrix; the stage then
+    computes on the threads it was given."""
+    import stages.stage as st
+    seen = []
+    matrix = st.StageWeights.matrix
+    monkeypatch.setattr(st.StageWeights, "matrix", lambda self, *a, **k: seen.append(torch.get_num_threads())
+                        or matrix(self, *a, **k))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for mode, expected in (("auto", 1), ("float32", 1), ("int8", 2)):
+            seen.clear()
+            Stage(open_model(f32_file), range(2), mode)
+            assert set(seen) == {expected}, mode
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
