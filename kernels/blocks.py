@@ -49,9 +49,9 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_arch.restype = c
     lib.raymoe_blocks_dequantize.argtypes = [c, p, i, i, p]
     lib.raymoe_blocks_dequantize.restype = None
-    lib.raymoe_blocks_grouped.argtypes = [c, c, p, i, i, p, i, p, i, i, i, p, i]
+    lib.raymoe_blocks_grouped.argtypes = [c, c, p, i, i, p, i, p, i, i, p, i, i, i, p, i]
     lib.raymoe_blocks_grouped.restype = c
-    lib.raymoe_blocks_grouped_many.argtypes = [c, p, i, i, p, i, p, i, i, i, p, i]
+    lib.raymoe_blocks_grouped_many.argtypes = [c, p, i, i, p, i, p, i, i, p, i, i, i, p, i]
     lib.raymoe_blocks_grouped_many.restype = c
     lib.raymoe_blocks_many_rows.argtypes = [p, c, p, i, i, p, i, i, p, i]
     lib.raymoe_blocks_many_rows.restype = c
@@ -147,19 +147,25 @@ def _status(code: int) -> None:
 
 
 def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, groups: list[tuple[int, int, int]],
-                    out: torch.Tensor, quantize_activations: bool) -> None:
+                    out: torch.Tensor, quantize_activations: bool, raw2: torch.Tensor | None = None) -> None:
     """For each (g, a, b) in groups: out[a:b] = x[a:b] @ deq(raw[g]).T.
 
     x float32 [M, k], raw uint8 [G, N, row_bytes] (or [N, row_bytes]: one weight, g = 0), out
     float32 [M, N] (last dimensions contiguous). quantize_activations: the fast mode (activations as int8 blocks, integer dot
     products); otherwise float32 activations times the exact weights. Float weights are always
-    multiplied exactly."""
-    groups = _check_groups(x, raw, ggml_type, k, groups, out)
+    multiplied exactly. raw2: a second weight (stack) of the same type whose rows follow raw's,
+    as if joined: out [M, N + N2] (one call, the activations quantised once)."""
+    groups = _check_groups(x, raw, ggml_type, k, groups, out, raw2)
     if not groups:
         return
     _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), x.shape[0],
-                                         x.stride(0), raw.data_ptr(), raw.stride(0), _table(groups), len(groups),
-                                         raw.shape[-2], k, out.data_ptr(), out.stride(0)))
+                                         x.stride(0), raw.data_ptr(), raw.stride(0), *_second(raw2, raw),
+                                         _table(groups), len(groups), out.shape[1], k, out.data_ptr(), out.stride(0)))
+
+
+def _second(raw2: torch.Tensor | None, raw: torch.Tensor) -> tuple[int | None, int, int]:
+    """The library's (raw2, its stride, rows taken from raw) arguments."""
+    return (None, 0, raw.shape[-2]) if raw2 is None else (raw2.data_ptr(), raw2.stride(0), raw.shape[-2])
 
 
 def _table(groups: list[tuple[int, int, int]]):
@@ -168,12 +174,17 @@ def _table(groups: list[tuple[int, int, int]]):
     return (ctypes.c_int64 * (3 * len(groups)))(*(v for group in groups for v in group))
 
 
-def _check_groups(x, raw, ggml_type, k, groups, out) -> list[tuple[int, int, int]]:
+def _check_groups(x, raw, ggml_type, k, groups, out, raw2=None) -> list[tuple[int, int, int]]:
     """The non-empty groups, after checking every argument. raw [G, N, row_bytes], or [N, row_bytes]
-    for one weight."""
+    for one weight; raw2 (optional) the same with N2 rows."""
     _check_raw(raw, ggml_type, k, 2 if raw.dim() == 2 else 3)
     _check_rows(x, "x", None, k)
     g_count, n = (raw.shape[0] if raw.dim() == 3 else 1), raw.shape[-2]
+    if raw2 is not None:
+        _check_raw(raw2, ggml_type, k, raw.dim())
+        if raw.dim() == 3 and raw2.shape[0] != g_count:
+            raise ValueError(f"raw2 holds {raw2.shape[0]} weights, raw {g_count}")
+        n += raw2.shape[-2]
     m = x.shape[0]
     _check_rows(out, "out", m, n)
     kept = []
@@ -186,18 +197,18 @@ def _check_groups(x, raw, ggml_type, k, groups, out) -> list[tuple[int, int, int
 
 
 def grouped_many_rows(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, groups: list[tuple[int, int, int]],
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, raw2: torch.Tensor | None = None) -> None:
     """grouped_product's fast mode for groups of many rows (prefill), quantised types only:
     activations as int8 blocks (Q8_K for K-quants, Q8_0 otherwise), integer dot products against
-    tiles of weight rows unpacked in cache."""
+    tiles of weight rows unpacked in cache. raw2: as grouped_product's."""
     if int(ggml_type) in (T.F32, T.F16, T.BF16):
         raise ValueError(f"{T(ggml_type).name} weights have no fast mode")
-    groups = _check_groups(x, raw, ggml_type, k, groups, out)
+    groups = _check_groups(x, raw, ggml_type, k, groups, out, raw2)
     if not groups:
         return
     _status(_lib().raymoe_blocks_grouped_many(int(ggml_type), x.data_ptr(), x.shape[0], x.stride(0), raw.data_ptr(),
-                                              raw.stride(0), _table(groups), len(groups), raw.shape[-2], k,
-                                              out.data_ptr(), out.stride(0)))
+                                              raw.stride(0), *_second(raw2, raw), _table(groups), len(groups),
+                                              out.shape[1], k, out.data_ptr(), out.stride(0)))
 
 
 def many_rows_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor) -> None:

@@ -15,8 +15,9 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
 
 The kinds: `DenseWeight` (float32), `BlockWeight` (GGML blocks exactly as the file stores them:
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4), `Int8Weight` (int8 rows, kernels/int8.py),
-and `ConcatWeight` (weights of different kinds side by side, one product each into column slices of one
-output). `cat_weights` fuses weights into one product when their kinds and formats match.
+and `ConcatWeight` (weights side by side, one product each into column slices of one output; two block
+weights of one format, one product for both on the CPU). `cat_weights` fuses weights into one product when their
+kinds and formats match.
 """
 from __future__ import annotations
 
@@ -118,8 +119,14 @@ class BlockWeight:
         from .triton import blocks as gpu_blocks
         return gpu_blocks.slot_product(x.contiguous(), self.raw, self.type, self.k, experts, out)
 
-    def _product(self, x, raw, groups, out):
-        """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call)."""
+    def _product(self, x, raw, groups, out, raw2=None):
+        """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call).
+        raw2: a second weight of this format, its rows after raw's in out's columns; the CPU's
+        integer kernels take both in one call (see ConcatWeight), the other paths one each."""
+        if raw2 is not None and (raw.is_cuda or blocks.library() is None):
+            n = raw.shape[-2]
+            self._product(x, raw, groups, out[:, :n])
+            return self._product(x, raw2, groups, out[:, n:])
         if raw.is_cuda:
             from .triton import blocks as gpu_blocks
             return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(),
@@ -134,17 +141,19 @@ class BlockWeight:
             x = x.contiguous()
         few_rows = self._few_rows()
         if all(b - a <= few_rows for _, a, b in groups):   # decode: one call, no lists to split
-            blocks.grouped_product(x, raw, self.type, self.k, groups, out, self.quantize_activations)
+            blocks.grouped_product(x, raw, self.type, self.k, groups, out, self.quantize_activations, raw2)
             return out
         few = [g for g in groups if g[2] - g[1] <= few_rows]
         many = [g for g in groups if g[2] - g[1] > few_rows]
         if few:
-            blocks.grouped_product(x, raw, self.type, self.k, few, out, self.quantize_activations)
+            blocks.grouped_product(x, raw, self.type, self.k, few, out, self.quantize_activations, raw2)
         if many and self.quantize_activations:
-            blocks.grouped_many_rows(x, raw, self.type, self.k, many, out)
+            blocks.grouped_many_rows(x, raw, self.type, self.k, many, out, raw2)
         elif many:
-            for g, a, b in many:
-                blocks.many_rows_product(x[a:b], raw[g] if raw.dim() == 3 else raw, self.type, self.k, out[a:b])
+            n = raw.shape[-2]
+            for w, columns in ((raw, out[:, :n]), (raw2, out[:, n:])) if raw2 is not None else ((raw, out),):
+                for g, a, b in many:
+                    blocks.many_rows_product(x[a:b], w[g] if w.dim() == 3 else w, self.type, self.k, columns[a:b])
         return out
 
     def _few_rows(self) -> int:
@@ -172,6 +181,9 @@ class ConcatWeight:
     def __init__(self, parts: list, dim: int):
         self.parts, self.dim = parts, dim
         self.widths = [p.shape[dim] for p in parts]
+        # two block weights of one format (a GGUF file's gate and up experts): one product
+        self.pair = (len(parts) == 2 and all(type(p) is BlockWeight for p in parts) and parts[0].same_format(parts[1])
+                     and parts[0].raw.dim() == parts[1].raw.dim() and parts[0].raw.device == parts[1].raw.device)
 
     @property
     def shape(self) -> torch.Size:
@@ -200,11 +212,16 @@ class ConcatWeight:
             start += width
 
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.pair:
+            return self.grouped(x, [(0, 0, x.shape[0])], out)
         for part, columns in self._columns(out):
             part.linear(x, columns)
         return out
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
+        if self.pair:
+            first, second = self.parts
+            return first._product(x, first.raw, groups, out, second.raw)
         for part, columns in self._columns(out):
             part.grouped(x, groups, columns)
         return out

@@ -95,9 +95,9 @@ class ModelFiles:
     def fused_matrix(self, names: list[str], shapes: list[tuple], mode: str, dim: int, experts: range | None = None,
                      pending: list | None = None):
         """Weights joined along output dimension `dim`, as kernels.weights.cat_weights joins them; but
-        expert stacks (dim 1) from a GGUF file stay one weight per tensor, each product writing its own
-        columns: joining gate and up experts would copy two thirds of a MoE file at load, and decode
-        measured no slower with them apart (docs/memory.md)."""
+        expert stacks (dim 1) from a GGUF file stay one weight per tensor (joining gate and up experts
+        would copy two thirds of a MoE file at load): a ConcatWeight, whose two block weights the CPU
+        kernels still multiply in one call (docs/memory.md)."""
         if dim == 1 and len(names) > 1 and mode != "int8" and isinstance(self.source, GGUFFile):
             return ConcatWeight([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim)
         return cat_weights([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim, pending)

@@ -214,6 +214,46 @@ def test_grouped_many_rows(variant, t):
         assert (err > exact_bound(x[a:b], w[g], grouped_chain(k))).any()  # really quantised
 
 
+@pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
+def test_two_weights_in_one_call_give_the_joined_weights_bits(variant, t):
+    """A second weight stack whose rows follow the first's (a GGUF file's gate and up experts, kept
+    apart in memory) gives, bit for bit, what the two joined into one stack give: few-row products
+    in both modes, many-row ones in the fast mode, the split inside a register tile and inside a
+    many-row tile (21 + 13 rows); through ConcatWeight too, with groups of both kinds."""
+    from kernels.weights import BlockWeight, ConcatWeight
+    n1, n2, k = 21, 13, 7 * 32 if block_elems(t) == 32 else 3 * 256
+    rng = np.random.default_rng(7000 + int(t))
+    raw = torch.stack([random_raw(rng, t, n1, k) for _ in range(3)])
+    raw2 = torch.stack([random_raw(rng, t, n2, k) for _ in range(3)])
+    joined = torch.cat([raw, raw2], 1)
+    x = torch.randn(43, k, generator=torch.Generator().manual_seed(int(t)))
+
+    def same(product, groups):
+        want, got = torch.full((43, n1 + n2), float("nan")), torch.full((43, n1 + n2), float("nan"))
+        product(joined, groups, want, None)
+        product(raw, groups, got, raw2)
+        touched = torch.cat([torch.arange(a, b) for _, a, b in groups])
+        assert not got[touched].isnan().any() and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+    few, many = [(2, 0, 3), (0, 3, 3), (1, 3, 5)], [(2, 0, 18), (0, 18, 18), (1, 18, 43)]
+    for quantize in (True, False):
+        same(lambda w, g, out, w2: blocks.grouped_product(x, w, t, k, g, out, quantize, w2), few)
+    same(lambda w, g, out, w2: blocks.grouped_many_rows(x, w, t, k, g, out, w2), many)
+    mixed = [(2, 0, 3), (1, 3, 43)]
+    for quantize in (True, False):
+        pair = ConcatWeight([BlockWeight(raw, t, k, quantize), BlockWeight(raw2, t, k, quantize)], 1)
+        assert pair.pair
+        got, want = torch.empty(43, n1 + n2), torch.empty(43, n1 + n2)
+        pair.grouped(x, mixed, got)
+        BlockWeight(joined, t, k, quantize).grouped(x, mixed, want)
+        if quantize:
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        else:       # exact many-row products multiply each weight's tiles apart: summed in another order
+            for g, a, b in mixed:
+                bound = exact_bound(x[a:b], reference(joined[g], t, k), grouped_chain(k))
+                assert ((got[a:b] - want[a:b]).abs() <= 2 * bound).all()
+
+
 class GuardedBytes:
     """A copy of raw whose last byte is the last one before an unreadable page: a kernel that reads
     past a buffer's end (as one reading past a row's last block would) dies with SIGSEGV."""

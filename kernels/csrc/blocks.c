@@ -1178,16 +1178,30 @@ static void free_x(quantized_x *xq) {
     free(xq->lane_corr);
 }
 
+/* Weight row r of weight g when a weight's n rows are two weights' rows one after the other (a
+ * MoE's gate and up experts, read from the file apart): rows below n1 are raw + g * w_stride's,
+ * the rest raw2 + g * w_stride2's. With raw2 NULL, n1 is n: one weight. */
+typedef struct {
+    const uint8_t *raw, *raw2;
+    int64_t w_stride, w_stride2, n1, row_bytes;
+} weight_rows;
+
+static inline const uint8_t *weight_row(const weight_rows *w, int64_t g, int64_t r) {
+    return r < w->n1 ? w->raw + g * w->w_stride + r * w->row_bytes
+                     : w->raw2 + g * w->w_stride2 + (r - w->n1) * w->row_bytes;
+}
+
 /* For each group (g, a, b) in groups[0 .. 3 count): rows a..b of y = rows a..b of x times the
- * transpose of weight g, raw + g * w_stride ([n rows of k], row after row). x is [m, k] with row
+ * transpose of weight g ([n rows of k], row after row: see weight_rows). x is [m, k] with row
  * stride ldx, y has row stride ldy. quantize: the fast (int8 activations) mode, ignored for
  * float weights. One parallel loop over every (group, NR weight rows). Returns 0, or -1 when
  * out of memory. */
 int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_t ldx, const uint8_t *raw,
-                          int64_t w_stride, const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y,
-                          int64_t ldy) {
+                          int64_t w_stride, const uint8_t *raw2, int64_t w_stride2, int64_t n1,
+                          const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
     const int mode = is_float(t) || !quantize ? 0 : is_k_quant(t) ? 2 : 1;
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), blocks = (n + NR - 1) / NR;
+    const weight_rows wr = {raw, raw2, w_stride, w_stride2, raw2 ? n1 : n, row_bytes};
     quantized_x xq = {0};
     if (mode) {
         xq = alloc_x(t, m, k, mode == 2 ? QK : 32, 0);
@@ -1231,7 +1245,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             const int64_t *group = groups + 3 * (item / blocks);
             const int64_t r0 = item % blocks * NR, r1 = r0 + NR < n ? r0 + NR : n;
             for (int64_t r = r0; r < r1; r++) {
-                const uint8_t *w = raw + group[0] * w_stride + r * row_bytes;
+                const uint8_t *w = weight_row(&wr, group[0], r);
                 if (mode == 0) {
                     const float *wf = (const float *)w;
                     if (t != F32) {
@@ -1770,10 +1784,12 @@ int raymoe_blocks_set_amx(int on) {
  * sub-block of 32 or 16), the activations are also packed per group in blocks of 16 rows and
  * each item multiplies by tiles. Returns 0, or -1 when out of memory. */
 int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, const uint8_t *raw, int64_t w_stride,
-                               const int64_t *groups, int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
+                               const uint8_t *raw2, int64_t w_stride2, int64_t n1, const int64_t *groups,
+                               int64_t count, int64_t n, int64_t k, float *y, int64_t ldy) {
     if (is_float(t)) return -2;
     const int kq = is_k_quant(t), qb = kq ? QK : 32;
     const int64_t row_bytes = k / block_elems(t) * block_bytes(t), tiles = (n + MANY_TILE - 1) / MANY_TILE;
+    const weight_rows wr = {raw, raw2, w_stride, w_stride2, raw2 ? n1 : n, row_bytes};
 #ifdef HAVE_AMX
     const int amx = amx_on;
 #else
@@ -1852,7 +1868,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             const int64_t *group = groups + 3 * (item / tiles);
             const int64_t r0 = item % tiles * MANY_TILE;
             const int nr = (int)(n - r0 < MANY_TILE ? n - r0 : MANY_TILE);
-            for (int j = 0; j < nr; j++) unpack_tile_row(t, raw + group[0] * w_stride + (r0 + j) * row_bytes, k, wa, wk, j);
+            for (int j = 0; j < nr; j++) unpack_tile_row(t, weight_row(&wr, group[0], r0 + j), k, wa, wk, j);
 #ifdef HAVE_AMX
             if (amx && amx_group(group)) {
                 const amx_tile at = amx_tile_at(buffer + MANY_TILE * row_stride, k);
