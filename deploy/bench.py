@@ -390,9 +390,9 @@ def bench_real(folder: str, quick: bool) -> dict:
         print(f"{'engine':<14}" + "".join(f"{f:>15}" for f in fields))
         report[model] = {}
         for engine in REAL_ENGINES:
-            for other in REAL_MODELS:         # the other file too: its cached pages would be reclaimed during the load
-                if os.path.exists(os.path.join(folder, f"{other}.gguf")):
-                    evict_from_page_cache(os.path.join(folder, f"{other}.gguf"))
+            for cached in (os.path.join(folder, f"{m}.gguf") for m in REAL_MODELS):   # the other file's pages too:
+                if os.path.exists(cached):                     # they would be reclaimed during the load
+                    evict_from_page_cache(cached)
             cmd = [sys.executable, "-m", "deploy.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]

@@ -35,27 +35,24 @@ def torch_threads_for(n_rows: int):
     products of a few rows go to OpenBLAS's own threads (no compiled library), torch's other ops
     are too small to share out, so one torch thread keeps its workers from waking to compete with
     OpenBLAS (measured: batch-1 decode ~5-12% faster)."""
-    threads = torch.get_num_threads()
-    if not blas_has_own_threads() or n_rows > GEMV_MAX_ROWS or threads == 1:
+    if not blas_has_own_threads() or n_rows > GEMV_MAX_ROWS or torch.get_num_threads() == 1:
         yield
         return
-    torch.set_num_threads(1)
-    try:
+    with _one_torch_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
 def loading_threads(mode: str):
     """Load weights on one torch thread, except in `--dtype int8` mode (which requantises every matrix
     at load). Loading moves bytes and computes next to nothing; with a second thread, the first op
     big enough to share out wakes an OpenMP worker, which under OMP_WAIT_POLICY=ACTIVE then spins
     for the rest of the load on the cores the reader threads and page faults need (measured: the
     15.4 GB Qwen3.5 file in 26 s, 21 s of it one worker spinning, against 9 s)."""
-    if mode == "int8":
-        yield
-        return
+    return contextlib.nullcontext() if mode == "int8" else _one_torch_thread()
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -121,12 +121,8 @@ class BlockWeight:
 
     def _product(self, x, raw, groups, out, raw2=None):
         """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call).
-        raw2: a second weight of this format, its rows after raw's in out's columns; the CPU's
-        integer kernels take both in one call (see ConcatWeight), the other paths one each."""
-        if raw2 is not None and (raw.is_cuda or blocks.library() is None):
-            n = raw.shape[-2]
-            self._product(x, raw, groups, out[:, :n])
-            return self._product(x, raw2, groups, out[:, n:])
+        raw2 (CPU, with the compiled library only): a second weight of this format, its rows after
+        raw's in out's columns, multiplied in the same call (see ConcatWeight)."""
         if raw.is_cuda:
             from .triton import blocks as gpu_blocks
             return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(),
@@ -181,9 +177,9 @@ class ConcatWeight:
     def __init__(self, parts: list, dim: int):
         self.parts, self.dim = parts, dim
         self.widths = [p.shape[dim] for p in parts]
-        # two block weights of one format (a GGUF file's gate and up experts): one product
+        # two block weights of one format on the CPU (a GGUF file's gate and up experts): one product
         self.pair = (len(parts) == 2 and all(type(p) is BlockWeight for p in parts) and parts[0].same_format(parts[1])
-                     and parts[0].raw.dim() == parts[1].raw.dim() and parts[0].raw.device == parts[1].raw.device)
+                     and parts[0].raw.dim() == parts[1].raw.dim() and all(p.raw.is_cpu for p in parts))
 
     @property
     def shape(self) -> torch.Size:
@@ -211,15 +207,18 @@ class ConcatWeight:
             yield part, out[:, start:start + width]
             start += width
 
+    def _one_call(self) -> bool:
+        return self.pair and blocks.library() is not None
+
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self.pair:
+        if self._one_call():
             return self.grouped(x, [(0, 0, x.shape[0])], out)
         for part, columns in self._columns(out):
             part.linear(x, columns)
         return out
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
-        if self.pair:
+        if self._one_call():
             first, second = self.parts
             return first._product(x, first.raw, groups, out, second.raw)
         for part, columns in self._columns(out):
