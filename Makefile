@@ -32,10 +32,10 @@ bench-deps: setup-test
 
 bench: setup-test
 	mkdir -p out
-	$(PY) -m deploy.bench --json out/bench.json --plot out/bench.png
+	$(PY) -m tools.bench --json out/bench.json --plot out/bench.png
 
 bench-serve: setup
-	$(PY) -m deploy.bench_serve
+	$(PY) -m tools.bench_serve
 
 serve: setup
 	$(PY) -m deploy.serve --model tiny-qwen35moe

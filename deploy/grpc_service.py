@@ -1,6 +1,6 @@
 """The raymoe.Raymoe gRPC service (protos/raymoe.proto).
 
-The Serve ingress replica (deploy.serve.RaymoeServer) runs a grpc.aio server with a
+The Serve ingress replica (deploy.http_app.RaymoeServer) runs a grpc.aio server with a
 RaymoeServicer over its `Serving` (the engine, tokenizer and metrics the HTTP routes use too). Errors map to gRPC status
 codes: bad request INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED,
 pipeline down UNAVAILABLE, no or wrong API key UNAUTHENTICATED (metadata `authorization: Bearer

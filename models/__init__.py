@@ -1,4 +1,4 @@
-"""The embedded default models: trained tiny GGUFs shipped in this folder (deploy/train_tiny.py wrote them;
+"""The embedded default models: trained tiny GGUFs shipped in this folder (tools/train_tiny.py wrote them;
 docs/tiny-models.md says from what). Each name maps to its file and the file's sha256."""
 from __future__ import annotations
 

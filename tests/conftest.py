@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def _isolated_cache(tmp_path_factory):
     """Built artefacts (native kernels, benchmark models) go into a per-run cache, never the user's."""
     os.environ["RAYMOE_CACHE"] = str(tmp_path_factory.mktemp("raymoe-cache"))
-    import deploy.make_tiny as make_tiny
+    import tools.make_tiny as make_tiny
     make_tiny.CACHE_DIR = os.environ["RAYMOE_CACHE"]
 
 

@@ -1,7 +1,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from deploy.tiny_tokenizer import build_tiny_tokenizer
+from tools.tiny_tokenizer import build_tiny_tokenizer
 from stages.chat import render_chat
 from stages.errors import RequestError
 from stages.tokenizer import Tokenizer

@@ -83,7 +83,7 @@ def test_stop_strings(tmp_path):
 
 
 def test_hf_dir_and_gguf_agree(tmp_path):
-    from deploy.make_tiny import make_tiny
+    from tools.make_tiny import make_tiny
     gguf_path = make_tiny("qwen35moe", str(tmp_path / "model"))         # a random model: this is an exactness test
     hf_dir = str(tmp_path / "model" / "hf")
     src = tmp_path / "in.jsonl"

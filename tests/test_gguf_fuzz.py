@@ -10,7 +10,7 @@ import traceback
 
 import pytest
 
-from deploy.make_tiny import make_tiny
+from tools.make_tiny import make_tiny
 from stages.engine import LocalEngine
 from stages.errors import RaymoeError
 from stages.loader import open_model

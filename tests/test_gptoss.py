@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
-from deploy.tiny_tokenizer import build_tiny_tokenizer
+from tools.tiny_tokenizer import build_tiny_tokenizer
 from hf_models import (assert_greedy_matches, assert_prompt_logprobs_match, hf_logprobs, make_gptoss,
                        mxfp4_to_float, random_mxfp4, run_one as run)
 from kernels.dequant import dequantize

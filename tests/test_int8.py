@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.engine import ClusterEngine, EngineArgs
-from deploy.make_tiny import make_tiny
+from tools.make_tiny import make_tiny
 from hf_models import run_one
 from kernels.int8 import Int8Weight
 from stages.loader import open_model

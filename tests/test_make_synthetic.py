@@ -1,4 +1,4 @@
-"""deploy.make_synthetic: random GGUFs with released models' shapes that raymoe loads and runs."""
+"""tools.make_synthetic: random GGUFs with released models' shapes that raymoe loads and runs."""
 import dataclasses
 import hashlib
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from deploy import make_synthetic as ms
+from tools import make_synthetic as ms
 from kernels.dequant import dequantize
 from stages.batch import StepBatch
 from stages.loader import open_model
@@ -203,7 +203,7 @@ def test_bad_arguments_fail_in_one_line(args, message, tmp_path, capsys):
         ms.main(["--model", QWEN, "--out", str(tmp_path / "x.gguf"), *args])
     assert e.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("python -m deploy.make_synthetic: error:") and message in error
+    assert error.startswith("python -m tools.make_synthetic: error:") and message in error
     assert os.listdir(tmp_path) == []
 
 

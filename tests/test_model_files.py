@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.make_tiny import make_tiny
+from tools.make_tiny import make_tiny
 from hf_models import run_one
 from kernels.weights import BlockWeight, ConcatWeight, DenseWeight
 from stages.errors import ModelFormatError
@@ -210,7 +210,7 @@ def test_a_full_width_file_loads_within_its_bytes_plus_a_gigabyte(tmp_path):
     """Two layers of Qwen3.5-35B-A3B at full width and vocabulary (~1.4 GB of Q3_K/Q4_K/Q6_K blocks): a
     stage's peak RSS stays within the file's bytes + 1 GiB (no caches: nothing has run)."""
     path = str(tmp_path / "qwen-2l.gguf")
-    subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", "qwen3.5-35b-a3b", "--layers", "2",
+    subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", "qwen3.5-35b-a3b", "--layers", "2",
                     "--out", path], cwd=ROOT, check=True, capture_output=True, timeout=300)
     code = ("import resource, sys, torch; from stages.loader import open_model; from stages.stage import Stage\n"
             "m = open_model(sys.argv[1]); s = Stage(m, range(m.n_layers))\n"

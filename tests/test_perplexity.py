@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from deploy.make_tiny import make_tiny
+from tools.make_tiny import make_tiny
 from deploy.perplexity import main
 from stages.batch import StepBatch
 from stages.loader import open_model

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deploy.convert import convert
-from deploy.tiny_tokenizer import build_tiny_tokenizer
+from tools.tiny_tokenizer import build_tiny_tokenizer
 from hf_models import (assert_greedy_matches, assert_prompt_logprobs_match, hf_logprobs, make_qwen35moe,
                        run_one as run)
 from stages import qwen35moe_hf

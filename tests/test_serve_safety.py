@@ -14,7 +14,7 @@ import grpc
 import openai
 import pytest
 
-from deploy.serve import MAX_BODY_BYTES
+from deploy.serving import MAX_BODY_BYTES
 from gguf_edit import rewrite_gguf
 from protos import raymoe_pb2 as pb
 from protos import raymoe_pb2_grpc as pb_grpc
@@ -193,7 +193,7 @@ def test_disconnects_log_one_line_and_sigterm_stops_quickly(server):
     """Last: streams and gRPC calls leave mid-way, and no traceback ("Future exception was never
     retrieved" was Serve's, for a stream whose client left) reaches the replica's or any Ray worker's
     log; then SIGTERM with gRPC on stops Serve and its Ray cluster within 15 s."""
-    from deploy.soak import log_tracebacks, ray_session_dir
+    from tools.soak import log_tracebacks, ray_session_dir
     drop_streams(server, 40)
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         for _ in range(3):
@@ -228,7 +228,7 @@ def test_a_client_that_went_away_is_not_an_error():
     from ray.exceptions import RayTaskError, TaskCancelledError
     from starlette.requests import ClientDisconnect
 
-    from deploy.serve import client_gone
+    from deploy.http_app import client_gone
 
     cancelled_remotely = RayTaskError("stream", "traceback", TaskCancelledError())
     assert all(client_gone(e) for e in (TaskCancelledError(), ClientDisconnect(), cancelled_remotely,

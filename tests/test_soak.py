@@ -1,12 +1,12 @@
-"""The soak test itself runs on demand (python -m deploy.soak), not here: this only checks that its
+"""The soak test itself runs on demand (python -m tools.soak), not here: this only checks that its
 CLI starts and that its hostile requests still sit where the server's limits are."""
 import json
 import random
 
 import pytest
 
-from deploy import soak
-from deploy.serve import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from tools import soak
+from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
 from stages.sampling import MAX_STOP_CHARS, MAX_STOPS
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from deploy.tiny_tokenizer import build_tiny_tokenizer
+from tools.tiny_tokenizer import build_tiny_tokenizer
 from stages.errors import ModelFormatError
 from stages.gguf_file import GGUFFile
 from stages.tokenizer import QWEN2_SPLIT, QWEN35_SPLIT, Tokenizer, gguf_tokenizer_fields, write_tokenizer_to_gguf

@@ -4,7 +4,7 @@ outputs()   both embedded models on --device cuda against the CPU (float32 mode 
             arithmetic up to summation order): 32 greedy tokens for a batch of prompts must be the same
             tokens, their logprobs within LOGPROB_BOUND; and the GPU at PP=2 and PP=4 (stages in one
             process, on one device) must give the GPU's PP=1 results exactly.
-decode()    a full-size synthetic file (deploy.make_synthetic) on the GPU: load time, batch-1 decode
+decode()    a full-size synthetic file (tools.make_synthetic) on the GPU: load time, batch-1 decode
             tok/s and the weight bytes it reads per second against the device's peak (the roofline:
             bytes read per token / bandwidth), and the aggregate tok/s of BATCH sequences decoding together.
 """
@@ -145,7 +145,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", model, "--out", path], check=True,
+        subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", model, "--out", path], check=True,
                        stdout=subprocess.DEVNULL)
         print(f"  wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
     files = open_model(path, max_model_len=4096)
@@ -189,7 +189,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
 
 def _stage_process(model: str, layers: tuple[int, int], requests, replies):
     """A second stage in its own process: its input arrives through the CUDA IPC ring."""
-    from cluster.cuda_ipc import IpcReader
+    from tools.cuda_ipc import IpcReader
     from stages.stage import Stage
 
     stage = Stage(open_model(model), range(*layers), "float32", device="cuda")
@@ -217,12 +217,12 @@ def _stage_process(model: str, layers: tuple[int, int], requests, replies):
 
 
 class IpcPipeline:
-    """PP=2 with the second stage in a child process, activations through cluster.cuda_ipc (no Ray)."""
+    """PP=2 with the second stage in a child process, activations through tools.cuda_ipc (no Ray)."""
 
     def __init__(self, files, engine_core):
         import torch.multiprocessing as mp
 
-        from cluster.cuda_ipc import IpcRing
+        from tools.cuda_ipc import IpcRing
         from stages.engine import split_layers
         from stages.stage import Stage
 

@@ -11,7 +11,7 @@
    second, against the device's peak bandwidth when it is known.
 3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
    against PP=1; PP=2 with the second stage in another process, activations through CUDA IPC
-   (cluster/cuda_ipc.py); then full-size synthetic files (deploy.make_synthetic, written to --folder): load time,
+   (tools/cuda_ipc.py); then full-size synthetic files (tools.make_synthetic, written to --folder): load time,
    batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
 
     --sections kernels,bandwidth,outputs,ipc,decode   (default: all; decode:MODEL for one model)

@@ -1,14 +1,14 @@
 """Random GGUFs with the shapes of released models, to measure raymoe and llama.cpp at real size
 without downloading weights.
 
-    python -m deploy.make_synthetic --model qwen3.5-35b-a3b|gpt-oss-20b --out PATH
+    python -m tools.make_synthetic --model qwen3.5-35b-a3b|gpt-oss-20b --out PATH
         [--layers N] [--vocab N] [--type T | --mix q3_k_m|q4_k_m|mxfp4] [--seed S] [--dry-run]
 
 Quantised blocks are random bytes whose scale fields are set so that every matrix's elements have a
 mean of about 0 and a standard deviation of about 1/sqrt(row length): activations keep a unit size
 through any number of layers. Nothing is quantised, and one chunk of one tensor is in memory at a time,
 so a full-size file is written about as fast as the disk takes it. The tokenizer is the tiny test
-tokenizer (deploy.tiny_tokenizer) padded with unused tokens to the real vocabulary size.
+tokenizer (tools.tiny_tokenizer) padded with unused tokens to the real vocabulary size.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class ModelSpec:
     make_config: Callable            # (n_layers, vocab) -> the arch's config
     n_layers: int
     vocab: int                       # the released embedding rows (the tokenizer's size, padded)
-    tokenizer_family: str            # deploy.tiny_tokenizer family
+    tokenizer_family: str            # tools.tiny_tokenizer family
     default_mix: str
 
 
@@ -273,7 +273,7 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
 
 def synthetic_tokenizer(family: str):
     """The tiny test tokenizer of `family`, with its special tokens and chat template."""
-    from deploy.tiny_tokenizer import CONFIGS, train_tokenizer
+    from tools.tiny_tokenizer import CONFIGS, train_tokenizer
     from stages.tokenizer import Tokenizer
 
     backend = train_tokenizer(family)
@@ -297,7 +297,7 @@ def _start_file(path: str, model: str, arch: ModuleType, cfg, plan, tokenizer, f
 
     writer = gguf.GGUFWriter(path, arch.ARCH)
     writer.add_name(f"{model} (synthetic)")
-    writer.add_description(f"random weights from deploy.make_synthetic, seed {seed}")
+    writer.add_description(f"random weights from tools.make_synthetic, seed {seed}")
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_metadata(writer, arch.ARCH, arch.gguf_metadata(cfg))
@@ -375,7 +375,7 @@ def _bounded_int(low: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.make_synthetic",
+    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic",
                                 description="write a random GGUF with the shapes of a released model")
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--out", help="output GGUF path (not needed with --dry-run)")

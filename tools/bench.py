@@ -1,6 +1,6 @@
 """Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m deploy.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--real-dir DIR]
+    python -m tools.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--real-dir DIR]
                            [--sections engines,pp,hops,coordinator,real]
 
 Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
@@ -17,7 +17,7 @@ Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
 - coordinator: the coordinator actor's CPU time per step with 64 running sequences on a
   248k-token vocabulary, greedy and sampled;
 - real (only when named): the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
-  deploy.make_synthetic (written to --real-dir when missing): load seconds, load + the first answer
+  tools.make_synthetic (written to --real-dir when missing): load seconds, load + the first answer
   to a prompt (llama.cpp maps the file and pays for touching the weights there), peak RSS, prefill,
   batch-1 and 4-sequence decode for raymoe (PP=1, and PP=2 on this node) and llama.cpp.
 Machines are noisy: only ratios measured in one run mean anything, and every report prints the
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from deploy.make_tiny import CACHE_DIR, gptoss_config, gptoss_tensors, qwen35moe_config, qwen35moe_tensors
+from tools.make_tiny import CACHE_DIR, gptoss_config, gptoss_tensors, qwen35moe_config, qwen35moe_tensors
 
 QWEN_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
@@ -52,7 +52,7 @@ def build_model(name: str, arch: str, make_config, make_tensors, shape: dict, gg
     from safetensors.torch import save_file
 
     from deploy.convert import convert
-    from deploy.tiny_tokenizer import build_tiny_tokenizer
+    from tools.tiny_tokenizer import build_tiny_tokenizer
 
     root = os.path.join(CACHE_DIR, f"bench-{name}-v2")
     hf = os.path.join(root, "hf")
@@ -192,7 +192,7 @@ def run_engine_process(name: str, quick: bool) -> dict | str | None:
 
     from kernels.native import blas_has_own_threads
 
-    cmd = [sys.executable, "-m", "deploy.bench", "--engine", name] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "tools.bench", "--engine", name] + (["--quick"] if quick else [])
     # OpenMP workers spin, which suits a process that has the cores to itself, except where float32
     # products run on BLAS's own threads (kernels/native.py)
     passive = name in FLOAT32_ENGINES and blas_has_own_threads()
@@ -264,7 +264,7 @@ def print_ratios(r: dict):
 
 
 # ---- real sizes --------------------------------------------------------------------------------
-# full-size synthetic files of the released shapes (deploy.make_synthetic), with their default mixes
+# full-size synthetic files of the released shapes (tools.make_synthetic), with their default mixes
 REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
 REAL_ENGINES = ("raymoe", "llama.cpp", "raymoe-pp2")
 
@@ -275,7 +275,7 @@ def real_file(model: str, folder: str) -> str:
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
         print(f"writing the full-size {model} file to {path} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "deploy.make_synthetic", "--model", model, "--out", path], check=True)
+        subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", model, "--out", path], check=True)
     return path
 
 
@@ -393,7 +393,7 @@ def bench_real(folder: str, quick: bool) -> dict:
             for cached in (os.path.join(folder, f"{m}.gguf") for m in REAL_MODELS):   # the other file's pages too:
                 if os.path.exists(cached):                     # they would be reclaimed during the load
                     evict_from_page_cache(cached)
-            cmd = [sys.executable, "-m", "deploy.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
+            cmd = [sys.executable, "-m", "tools.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
             r = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
@@ -471,7 +471,7 @@ def bench_coordinator(quick: bool) -> dict:
     qwen35moe shape, vocabulary padded to Qwen3.5's): what it costs to own the sequences while the last
     stage samples. Greedy and sampled (temperature 1, top-p 0.9)."""
     from cluster.engine import ClusterEngine, EngineArgs
-    from deploy.make_tiny import qwen35moe_config, qwen35moe_tensors
+    from tools.make_tiny import qwen35moe_config, qwen35moe_tensors
 
     path = build_model("qwen35moe-248k", "qwen35moe", qwen35moe_config, qwen35moe_tensors,
                        {"vocab_size": 248320}, ["f32"])["f32"]
@@ -500,7 +500,7 @@ def bench_coordinator(quick: bool) -> dict:
 
 
 def bench_hops(quick: bool) -> dict:
-    from cluster.hops import measure_hops
+    from tools.hops import measure_hops
 
     hidden = QWEN_SHAPE["hidden_size"]
     shapes = {f"decode 1x{hidden}": (1, hidden), f"decode 64x{hidden}": (64, hidden),
@@ -573,7 +573,7 @@ def plot(report: dict, path: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, numbers are rough)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")

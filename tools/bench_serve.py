@@ -1,8 +1,8 @@
 """Serving benchmark: streaming completions against the OpenAI-compatible endpoint at 1, 8 and 32
 concurrent clients; prints requests/s, generated tokens/s, and TTFT and inter-token latency p50/p99.
 
-    python -m deploy.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
-    python -m deploy.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
+    python -m tools.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
+    python -m tools.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
 
 TTFT is from sending the request to the first chunk that carries a token; inter-token latency is the
 gap between consecutive token-carrying chunks of a request (per token). Every client sends its next
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from cluster.engine_args import add_engine_flags
     from deploy.serve import ServeArgs
 
-    p = argparse.ArgumentParser(prog="python -m deploy.bench_serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
     add_engine_flags(p, ["pp", "microbatches"], ServeArgs)      # of the local server

@@ -1,8 +1,8 @@
 """Soak test of the serving endpoint, on demand (not in CI): a bounded run of mixed valid and hostile
 requests, streams dropped at random points, and a stage actor killed twice (SIGKILL).
 
-    python -m deploy.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--port PORT] [--json FILE]
-    python -m deploy.soak --url http://127.0.0.1:8000 [--server-pid PID] [--api-key KEY]   # a running server
+    python -m tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--port PORT] [--json FILE]
+    python -m tools.soak --url http://127.0.0.1:8000 [--server-pid PID] [--api-key KEY]   # a running server
 
 It starts `deploy.serve` on 127.0.0.1 (with an API key, so that auth is exercised) unless --url is
 given, sends traffic for a warm-up tenth of --minutes and then the rest, and stops itself and the
@@ -30,10 +30,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-MAX_BODY_BYTES = 2 * 1024 * 1024      # deploy.serve's default, passed to a server started here
-MAX_JSON_DEPTH = 32
-MAX_MESSAGES = 1024
-MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stages/sampling.py
+from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES   # the server's limits, probed here
+from stages.sampling import MAX_STOP_CHARS, MAX_STOPS
+
 RSS_LIMIT = 0.10
 REQUEST_TIMEOUT = 120.0
 RECOVERY_TIMEOUT = 180.0
@@ -609,7 +608,7 @@ def stop_server(server: subprocess.Popen, timeout: float = 60) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10, help="traffic time, warm-up (a tenth) included")
     p.add_argument("--model", default="tiny-qwen35moe")
     p.add_argument("--pp", type=int, default=2)

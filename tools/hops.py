@@ -1,4 +1,4 @@
-"""Per-hop transport latency, measured between two real actors (for deploy.bench).
+"""Per-hop transport latency, measured between two real actors (for tools.bench).
 
 Two measures, both medians:
 - call: what the coordinator sees of one hop, actor calls included. For `object_store`, an actor call
@@ -17,7 +17,7 @@ import uuid
 import ray
 import torch
 
-from .shm import SHM_DIR, Ring, unlink
+from cluster.shm import SHM_DIR, Ring, unlink
 
 
 @ray.remote(num_cpus=1)

@@ -1,0 +1,275 @@
+"""The HTTP application of the Serve ingress: FastAPI routes for the OpenAI API, /health and /metrics,
+the body size limit, errors as OpenAI-style JSON, quiet client disconnects, and the Serve deployment
+(RaymoeServer) that also runs the gRPC server. `app_builder` builds it for `serve run` and Serve configs.
+"""
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import os
+from time import perf_counter
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.grpc_service import RaymoeServicer
+from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
+                               models_response, parse_chat, parse_completion, sse)
+from deploy.serving import Generation, ServeArgs, Serving
+from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
+from stages.errors import RaymoeError
+
+log = logging.getLogger("raymoe.serve")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = APIError(413, f"the request body is larger than --max-body-bytes ({limit} bytes)",
+                         code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
+                    code="invalid_api_key")
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events of one generation; however the response ends (finished, client gone,
+    task cancelled), the sequence is freed."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort()
+
+
+api = FastAPI(title="raymoe", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request, e: APIError):
+    return error_response(e)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request, e: StarletteHTTPException):
+    """The framework's own errors (an unknown path, a wrong method) in the same JSON as every other."""
+    if e.status_code == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    elif e.status_code == 405:
+        allowed = (e.headers or {}).get("allow")
+        message = f"{request.method} is not allowed on {request.url.path}" + (f" (allowed: {allowed})" * bool(allowed))
+    else:
+        message = str(e.detail)
+    response = error_response(APIError(e.status_code, message))
+    response.headers.update(e.headers or {})
+    return response
+
+
+def client_gone(e: BaseException) -> bool:
+    """Whether e only says that the client went away: its request was cancelled (Ray cancels the
+    replica's and the coordinator's tasks) or its connection closed mid-body (also inside an
+    exception group, as anyio task groups raise them)."""
+    from ray.exceptions import TaskCancelledError
+    from starlette.requests import ClientDisconnect
+    group = getattr(e, "exceptions", None)      # an exception group's members (BaseExceptionGroup, Python >= 3.11)
+    if isinstance(group, tuple) and group:
+        return all(client_gone(x) for x in group)
+    return isinstance(e, (TaskCancelledError, ClientDisconnect)) or isinstance(getattr(e, "cause", None),
+                                                                                TaskCancelledError)
+
+
+class QuietDisconnects:
+    """ASGI middleware: a request whose client went away ends here, with one log line. Were the
+    exception to go on, Starlette's error middleware would re-raise it to Serve, which keeps it in a
+    future that nobody reads once the request is cancelled: "Future exception was never retrieved"
+    and a traceback in the replica's log for every dropped stream."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:
+            if not client_gone(e):
+                raise
+            log.info("client disconnected from %s (%s)", scope.get("path"), type(e).__name__)
+
+
+api.add_middleware(QuietDisconnects)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request, e: Exception):
+    log.exception("unhandled error")
+    return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+# A replica that cannot start (a model whose weights do not load) fails the application at once,
+# rather than being retried without end.
+@serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,
+                  max_constructor_retry_count=1)
+@serve.ingress(api)
+class RaymoeServer:
+    """The ingress: one replica per pipeline (the pipeline's actors are its children). It also runs
+    the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
+
+    async def __init__(self, args: dict | ServeArgs):
+        args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
+        self.serving = Serving(args)
+        self.grpc_server = None
+        if args.grpc_port:
+            self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_body_bytes)])
+            add_RaymoeServicer_to_server(RaymoeServicer(self.serving), self.grpc_server)
+            address = f"{_url_host(args.host)}:{args.grpc_port}"
+            try:
+                self.grpc_server.add_insecure_port(address)
+            except RuntimeError as e:
+                raise RaymoeError(f"cannot listen for gRPC on {address}: {e}") from None
+            await self.grpc_server.start()
+
+    # ---- HTTP -------------------------------------------------------------------------------------
+    @api.get("/v1/models")
+    async def list_models(self, request: Request):
+        s = self.serving
+        if not s.authorized(request.headers.get("authorization")):
+            s.metrics.answered("models", 401)
+            return error_response(unauthorized())
+        s.metrics.answered("models", 200)
+        return models_response(s.model_name, s.context_length, s.created)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate("completions", request, parse_completion)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate("chat", request, parse_chat)
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            await self.serving.engine.check_health_async()
+            load = await self.serving.load()
+        except Exception as e:
+            return error_response(APIError(503, f"unhealthy: {type(e).__name__}: {e}", code="unhealthy"))
+        return {"status": "ok", "model": self.serving.model_name, **load}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        try:
+            await self.serving.load(timeout=5)
+        except Exception:
+            pass                   # the gauges keep their last values
+        return Response(self.serving.metrics.render(), media_type=self.serving.metrics.content_type)
+
+    async def _generate(self, endpoint: str, request: Request, parse):
+        s = self.serving
+        arrived = perf_counter()
+        try:
+            if not s.authorized(request.headers.get("authorization")):
+                raise unauthorized()
+            raw = await read_body(request, s.args.max_body_bytes)
+            p = await asyncio.to_thread(s.prepare, raw, parse)      # /health answers meanwhile
+            generation = await s.start(p.id, p.engine_request, arrived)
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        try:
+            prompt_text = s.tokenizer.decode(p.prompt_ids) if p.echo else ""
+            if p.stream:
+                response = GenerationStream(self._events(p, generation, prompt_text), generation)
+                s.metrics.answered(endpoint, 200)
+                return response
+            result = await generation.result()
+            if p.kind == "chat":
+                body = chat_response(p, result, s.token_text)
+            else:
+                body = completion_response(p, result, s.token_text, prompt_text)
+            s.metrics.answered(endpoint, 200)
+            return JSONResponse(body)
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        finally:
+            if not p.stream:
+                generation.abort()     # the client went away (this task was cancelled) or it failed
+
+    async def _events(self, p, generation: Generation, prompt_text: str):
+        formatter = StreamFormatter(p, self.serving.token_text, prompt_text)
+        try:
+            for chunk in formatter.start():
+                yield sse(chunk)
+            async for update in generation.updates():
+                for chunk in formatter.update(update):
+                    yield sse(chunk)
+        except APIError as e:
+            yield sse(e.body())
+        except Exception as e:     # the pipeline failed mid-stream: say so in the stream
+            if client_gone(e):
+                log.info("client disconnected from a stream (%s)", type(e).__name__)
+                return
+            log.exception("stream failed")
+            yield sse(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
+        yield SSE_DONE
+
+    # ---- Serve hooks -------------------------------------------------------------------------------
+    async def check_health(self):
+        await self.serving.load(timeout=30)    # raises when the coordinator is gone or gave up
+
+    def __del__(self):
+        grpc_server, self.grpc_server = getattr(self, "grpc_server", None), None
+        if grpc_server is not None:
+            try:     # stops listening now; calls in flight get a second
+                asyncio.get_running_loop().create_task(grpc_server.stop(grace=1))
+            except RuntimeError:
+                pass     # no loop: the process is exiting, and its sockets close with it
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            self.serving = None
+            serving.shutdown()
+
+
+def app_builder(args: ServeArgs):
+    """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
+    if isinstance(args, dict):
+        args = ServeArgs(**args)
+    if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
+        args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
+    return RaymoeServer.bind(dataclasses.asdict(args))
