@@ -22,10 +22,30 @@ def _isolated_cache(tmp_path_factory):
     make_tiny.CACHE_DIR = os.environ["RAYMOE_CACHE"]
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def ray_session(_isolated_cache):
-    """One local Ray cluster for the whole run, with CPU slots for PP=4 x EP=2 plus the coordinator."""
+    """One local Ray cluster for every test marked `cluster`, started by the first of them, with CPU slots
+    for PP=4 x EP=2 plus the coordinator."""
     import ray
     ray.init(address="local", num_cpus=12, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            item.fixturenames.insert(0, "ray_session")
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_when_marked(request, monkeypatch):
+    """A test that is not marked `cluster` may not start Ray in this process: say so, rather than let
+    it start a cluster of its own (slow, and unmarked for `make test-fast`)."""
+    if request.node.get_closest_marker("cluster"):
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.cluster")
+    monkeypatch.setattr(ray, "init", refuse)

@@ -9,6 +9,8 @@ from cluster.engine import ClusterEngine, EngineArgs
 from stages.loader import open_model
 from stages.stage import Stage
 
+pytestmark = pytest.mark.cluster
+
 MODELS = ["tiny-qwen35moe", "tiny-gptoss"]
 TRANSPORTS = ["object_store", "gloo", "shm"]
 CHUNK = 32          # prefill chunk: several prompts below are longer

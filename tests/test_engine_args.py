@@ -105,6 +105,7 @@ def test_a_bad_flag_ends_the_job_with_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.cluster
 def test_device_cuda_on_a_cluster_without_gpus_is_refused_at_once():
     """One line naming the need and what Ray has, before any actor starts or any weight is read."""
     code = ("import ray, sys; from cluster.engine import ClusterEngine, EngineArgs\n"

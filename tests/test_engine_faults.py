@@ -15,6 +15,8 @@ from stages.loader import open_model
 from stages import sampling
 from stages.stage import Stage
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = {"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0}
 
 

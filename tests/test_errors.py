@@ -109,6 +109,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.cluster
 def test_bad_requests_fail_alone(tmp_path):
     lines = [json.dumps({"id": "good-0", "prompt": "Hello", "max_tokens": 4, "temperature": 0})]
     for i, (req, _) in enumerate(BAD_REQUESTS):

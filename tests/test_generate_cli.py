@@ -8,6 +8,8 @@ import pytest
 from deploy import generate
 from stages.errors import RequestError
 
+pytestmark = pytest.mark.cluster
+
 FIELDS = {"id", "prompt_token_ids", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs"}
 
 

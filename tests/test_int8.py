@@ -43,6 +43,7 @@ def test_approximate_modes_stay_close_to_float32(quantised_file, mode):
     assert 0 < err < 0.6, err      # 3x bfloat16's distance; measured int8 0.35 (qwen35moe Q8_0)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["int8", "auto"])
 def test_approximate_pipeline_and_expert_actors_are_bit_identical(tmp_path, mode):
     path = make_tiny("gptoss", str(tmp_path))                       # MXFP4 experts, in the expert actors

@@ -12,6 +12,8 @@ from stages.loader import open_model
 from stages.memory import CacheBudget, stage_need
 from stages.sampling import SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -193,6 +193,7 @@ def test_split_files_open_from_their_first_part(f32_file, tmp_path):
         open_model(split)
 
 
+@pytest.mark.cluster
 def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
     """A cluster with 64 MiB of memory: one line naming the need, what Ray has, and what to change,
     before any weight is read."""
@@ -206,6 +207,7 @@ def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
     assert "Ray has 0.1 GiB" in line and "--max-running" in line and "--max-model-len" in line and "--pp" in line
 
 
+@pytest.mark.slow
 def test_a_full_width_file_loads_within_its_bytes_plus_a_gigabyte(tmp_path):
     """Two layers of Qwen3.5-35B-A3B at full width and vocabulary (~1.4 GB of Q3_K/Q4_K/Q6_K blocks): a
     stage's peak RSS stays within the file's bytes + 1 GiB (no caches: nothing has run)."""

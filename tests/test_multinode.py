@@ -17,6 +17,8 @@ from test_ray_job import BIN, free_ports
 
 from deploy import generate
 
+pytestmark = pytest.mark.cluster
+
 REQUESTS = [{"id": "greedy", "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
             {"id": "seeded", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "seed": 7},
             {"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}]

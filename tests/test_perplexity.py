@@ -14,6 +14,8 @@ from stages.batch import StepBatch
 from stages.loader import open_model
 from stages.stage import Stage
 
+pytestmark = pytest.mark.slow     # the module's report runs three modes on the model (~1-2 min)
+
 CTX, CHUNKS = 32, 3
 FIRST = CTX // 2                # rows FIRST .. CTX-2 are scored, each predicting the next token
 
@@ -97,6 +99,7 @@ def test_divergence_matches_the_modes_logits(model, report, mode):
                                                   abs=1.5 / len(kl))      # a near tie may flip one token
 
 
+@pytest.mark.cluster
 def test_two_stages_give_the_numbers_of_one(model, report, tmp_path):
     gguf, _, text = model
     two = run(tmp_path, gguf, text, "--reference-mode", "float32", "--modes", "auto", "--pp", "2")

@@ -15,6 +15,8 @@ from deploy.metrics import parse_metrics
 from deploy.openai_api import TextDeltas
 from serve_util import ServerProcess, descendants, free_port, get_json, get_text, post_raw, still_running, wait_idle
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "tiny-qwen35moe"
 MAX_RUNNING, MAX_QUEUED = 32, 8          # small, so that back-pressure is reachable in a test
 

@@ -20,6 +20,8 @@ from protos import raymoe_pb2 as pb
 from protos import raymoe_pb2_grpc as pb_grpc
 from serve_util import ServerProcess, descendants, still_running, wait_idle
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "tiny-qwen35moe"
 KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

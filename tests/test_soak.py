@@ -9,6 +9,8 @@ from tools import soak
 from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
 from stages.sampling import MAX_STOP_CHARS, MAX_STOPS
 
+pytestmark = pytest.mark.cluster
+
 
 def test_help():
     with pytest.raises(SystemExit) as e:
