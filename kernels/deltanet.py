@@ -24,11 +24,11 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import native
 from .gpu_ops import use_triton
 from .norms import gated_rms_norm
+from .pointwise import sigmoid, silu, softplus
 
 
 SOURCE = Path(__file__).parent / "csrc" / "deltanet.c"
@@ -84,7 +84,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     full = torch.cat((state.to(x.dtype), x), dim=-2)                # [..., T+K-1, C]
     windows = full.unfold(-2, kernel, 1)                              # [..., T, C, K]
     y = (windows * weight.to(x.dtype)).sum(-1)
-    return F.silu(y), full[..., full.shape[-2] - (kernel - 1):, :].clone()
+    return silu(y), full[..., full.shape[-2] - (kernel - 1):, :].clone()
 
 
 def _conv_compiled(x, weight, state):
@@ -246,7 +246,7 @@ class GatedDeltaNet:
     def gates(self, beta: torch.Tensor, alpha: torch.Tensor):
         """(g, beta) per token and V head from the projections: log decay a * softplus(alpha + dt_bias)
         and the write strength sigmoid(beta)."""
-        return self.a * F.softplus(alpha.float() + self.dt_bias), torch.sigmoid(beta.float())
+        return self.a * softplus(alpha.float() + self.dt_bias), sigmoid(beta.float())
 
     def output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The out projection's input [n, H_v * dv] from the delta rule's y [n, H_v, dv]."""

@@ -9,10 +9,10 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .gpu_ops import use_triton
 from .linear import grouped_linear, slot_linear
+from .pointwise import sigmoid, silu
 
 # On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
 # device (no host synchronisation; an expert chosen by several of them is read once per slot); more are
@@ -44,7 +44,7 @@ def route_topk_softmax(logits: torch.Tensor, k: int):
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` with gate the first half of the columns."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu(gate) * up
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -53,7 +53,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (up + 1) * (gate * sigmoid(gate * alpha))
 
 
 def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from .gpu_ops import use_triton
+from .pointwise import silu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,4 +19,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if use_triton("rms_norm", x) and x.dtype == torch.float32:
         from .triton import norms
         return norms.rms_norm(x, weight.float(), eps, gate.float())
-    return (rms_norm(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)
+    return (rms_norm(x, weight, eps).float() * silu(gate.float())).to(x.dtype)

@@ -38,7 +38,7 @@ def torch_threads_for(n_rows: int):
     if not blas_has_own_threads() or n_rows > GEMV_MAX_ROWS or torch.get_num_threads() == 1:
         yield
         return
-    with _one_torch_thread():
+    with one_torch_thread():
         yield
 
 
@@ -48,11 +48,11 @@ def loading_threads(mode: str):
     big enough to share out wakes an OpenMP worker, which under OMP_WAIT_POLICY=ACTIVE then spins
     for the rest of the load on the cores the reader threads and page faults need (measured: the
     15.4 GB Qwen3.5 file in 26 s, 21 s of it one worker spinning, against 9 s)."""
-    return contextlib.nullcontext() if mode == "int8" else _one_torch_thread()
+    return contextlib.nullcontext() if mode == "int8" else one_torch_thread()
 
 
 @contextlib.contextmanager
-def _one_torch_thread():
+def one_torch_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

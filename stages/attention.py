@@ -9,6 +9,7 @@ import torch
 from kernels.attention import attention
 from kernels.linear import linear
 from kernels.norms import rms_norm
+from kernels.pointwise import sigmoid
 from kernels.rope import apply_rope, rope_cos_sin
 
 from .cache import KVCache
@@ -86,5 +87,5 @@ class Attention:
             cache.trim()       # sliding layers keep at most twice the `window` positions
         out = out.reshape(T, -1)
         if s.output_gate:
-            out = out * torch.sigmoid(gate)
+            out = out * sigmoid(gate)
         return linear(out, self.o, self.o_bias)

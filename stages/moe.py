@@ -11,6 +11,7 @@ import torch
 
 from kernels.linear import linear
 from kernels.moe import combine_slots, expert_slot_outputs, swiglu
+from kernels.pointwise import sigmoid
 
 
 @dataclass(frozen=True)
@@ -75,5 +76,5 @@ class MoE:
         weights, ids = s.route(logits, s.n_used)
         y = combine_slots(*self.experts(x, ids), weights)
         if s.shared_ff:
-            y = y + torch.sigmoid(shared_gate) * linear(s.activation(shared_gate_up), self.shared_down)
+            y = y + sigmoid(shared_gate) * linear(s.activation(shared_gate_up), self.shared_down)
         return y

@@ -1,0 +1,84 @@
+"""Outputs do not depend on the thread count: both families, both modes, at 1, 2 and 3 torch threads,
+give the same bits (tokens, logprobs, prompt logprobs). So the default may use every core, and a
+stage may change its thread count from step to step, without changing what anyone gets."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import pointwise
+from stages.engine import LocalEngine
+from stages.loader import open_model
+from stages.sampling import SamplingParams
+from tools import make_synthetic as ms
+
+THREADS = (1, 2, 3)
+PROMPT_LENGTHS = [70, 5, 300, 9, 17, 33, 2, 40, 11, 6, 3, 25]
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def generate(path: str, mode: str, n_threads: int) -> str:
+    """Prompts of many lengths (prefill chunks, batched decode of up to 12 sequences), greedy and
+    seeded; the results as JSON text, so that equal text means equal bits."""
+    torch.set_num_threads(n_threads)
+    engine = LocalEngine(open_model(path), mode=mode)
+    engine.eos_ids = set()
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i, n in enumerate(PROMPT_LENGTHS):
+        ids = torch.randint(0, min(2000, engine.config.vocab), (n,), generator=g).tolist()
+        params = SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2, prompt_logprobs=2)
+        seqs.append(engine.add_request(f"r{i}", ids, params))
+    engine.run_until_done()
+    return json.dumps([s.result() for s in seqs])
+
+
+@pytest.mark.parametrize("mode", ["float32", "auto"])
+@pytest.mark.parametrize("model", ["tiny-qwen35moe", "tiny-gptoss"])
+def test_embedded_models_give_the_same_bits_at_any_thread_count(model, mode, threads):
+    one, *others = [generate(model, mode, n) for n in THREADS]
+    assert all(other == one for other in others)
+
+
+def full_width(model: str, path) -> str:
+    """Two layers of the released model's widths (one of each layer kind), with few experts and a
+    short vocabulary: the sizes where torch splits an op among its threads."""
+    spec = ms.MODELS[model]
+    cfg = spec.make_config(2, 4096)
+    if model == "qwen3.5-35b-a3b":
+        cfg = dataclasses.replace(cfg, n_expert=16, full_attention_interval=2)      # DeltaNet, then attention
+    else:
+        cfg = dataclasses.replace(cfg, n_expert=4, n_expert_used=2)
+    plan = ms.tensor_plan(spec.arch, cfg, mix=spec.default_mix)
+    ms.write_synthetic(str(path), model, cfg, plan, ms.synthetic_tokenizer(spec.tokenizer_family),
+                       ms.FILE_TYPES[spec.default_mix], progress=False)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3.5-35b-a3b", "gpt-oss-20b"])
+def test_full_width_layers_give_the_same_bits_at_any_thread_count(model, tmp_path, threads):
+    path = full_width(model, tmp_path / "model.gguf")
+    for mode in ("float32", "auto"):
+        one, *others = [generate(path, mode, n) for n in THREADS]
+        assert all(other == one for other in others), mode
+
+
+@pytest.mark.parametrize("op", [pointwise.silu, pointwise.sigmoid, pointwise.softplus])
+def test_large_pointwise_ops_do_not_depend_on_the_thread_count(op, threads):
+    """torch's own silu/sigmoid/softplus change last bits with the thread count above its grain
+    (the reason kernels/pointwise.py exists); these keep every bit, and equal torch's at one thread."""
+    x = torch.randn(2401, 1000, generator=torch.Generator().manual_seed(0))
+    torch.set_num_threads(1)
+    reference = {pointwise.silu: F.silu, pointwise.sigmoid: torch.sigmoid, pointwise.softplus: F.softplus}[op](x)
+    for n in THREADS:
+        torch.set_num_threads(n)
+        assert torch.equal(op(x), reference), n
