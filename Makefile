@@ -1,10 +1,11 @@
 # make run: set up .venv, generate on the Ray cluster (PP=2) with the embedded default model, check PP=1 agrees.
 # make test: set up .venv (with test extras) and run the whole suite.
+# make test-fast: the same without the Ray cluster tests and the slow ones (kernels, stages, formats).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test run test bench bench-deps bench-serve serve protos clean
+.PHONY: setup setup-test run test test-fast bench bench-deps bench-serve serve protos clean
 
 # installing also generates the gRPC stubs from protos/*.proto (setup.py)
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/*.proto)
@@ -26,6 +27,9 @@ run: setup
 
 test: setup-test
 	$(PY) -m pytest
+
+test-fast: setup-test
+	$(PY) -m pytest -m "not cluster and not slow"
 
 bench-deps: setup-test
 	$(PY) -m pip install --quiet -e ".[test,bench]"

@@ -12,7 +12,7 @@ import resource
 import ray
 import torch
 
-from kernels.threads import loading_threads
+from kernels.threads import loading_threads, node_cores, share_of_cores
 from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.memory import stage_need
@@ -58,7 +58,8 @@ class ExpertActor:
             self.init_error = e
 
     def _load(self, args, layers, experts):
-        torch.set_num_threads(args.threads)
+        # the stage waits while its expert actors compute, side by side
+        torch.set_num_threads(args.threads or share_of_cores(node_cores(), args.ep, args.ep))
         model = open_model(args.model, args.max_model_len)
         self.device = torch.device(args.device)
         with loading_threads(args.dtype):
@@ -83,16 +84,18 @@ class StageActor:
     """Loads in load() rather than in the constructor, so that load_progress() (its own concurrency group)
     can answer while the weights are read."""
 
-    def __init__(self, args, layers: tuple[int, int], expert_actors=None):
-        """args: the pipeline's resolved EngineArgs."""
+    def __init__(self, args, layers: tuple[int, int], expert_actors=None, stages_here: int = 1):
+        """args: the pipeline's resolved EngineArgs; stages_here: the pipeline's stages on this node."""
         self.args, self.layers, self.expert_actors = args, range(*layers), expert_actors
+        self.stages_here, self.cores = stages_here, node_cores()
+        self.threads_used: set[int] = set()          # thread counts steps ran with (stats)
         self.stage = self.group = None
         self.ring_in = self.ring_out = None         # shm transport: rings from the previous / to the next stage
         self.loaded = (0, 0)
 
     def load(self) -> int:
         args = self.args
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads or self.cores)
         model = open_model(args.model, args.max_model_len)
         need = stage_need(model, self.layers, args.dtype)
         total = need.weight_bytes
@@ -110,9 +113,18 @@ class StageActor:
         """(bytes of weights read, bytes to read)."""
         return self.loaded
 
+    def _take_threads(self, batch):
+        """Without --threads: this step's share of the node's cores (outputs do not depend on it)."""
+        if self.args.threads is None:
+            threads = share_of_cores(self.cores, self.stages_here, batch.computing)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        self.threads_used.add(torch.get_num_threads())
+
     def forward(self, batch, hidden=None):
         """Object-store transport: the previous stage's output arrives as this call's argument (through
         the host, from a GPU stage)."""
+        self._take_threads(batch)
         out = self.stage.forward(batch, hidden)
         return out.cpu() if isinstance(out, torch.Tensor) else out
 
@@ -150,6 +162,7 @@ class StageActor:
         import torch.distributed as dist
         rank, world = self.group
         hidden = None
+        self._take_threads(batch)
         if rank > 0:
             buf = torch.empty(batch.n_tokens, self.hidden_size, device=self.wire)
             dist.recv(buf.view(torch.uint8), src=rank - 1)
@@ -185,6 +198,7 @@ class StageActor:
         stage's ring; the last stage returns the sampled tokens. A failure here is passed down the rings, so
         that the later stages fail this step too instead of waiting."""
         try:
+            self._take_threads(batch)
             hidden = self.ring_in.recv() if self.ring_in else None
             out = self.stage.forward(batch, hidden)
             if self.ring_out is None:
@@ -206,7 +220,7 @@ class StageActor:
     def stats(self) -> dict:
         return {"layers": [self.stage.layers_range.start, self.stage.layers_range.stop],
                 "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
-                "peak_cache_bytes": self.stage.peak_cache_bytes,
+                "peak_cache_bytes": self.stage.peak_cache_bytes, "threads_used": sorted(self.threads_used),
                 "pid": os.getpid()}
 
     def ping(self) -> int:

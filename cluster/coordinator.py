@@ -228,6 +228,7 @@ class Coordinator:
     # ---- the loop ---------------------------------------------------------------------------
     def _launch(self):
         groups = len(self.core.groups)
+        planned_now = []
         for _ in range(groups):     # every group may be in flight, whatever the pipeline depth (module doc)
             g = self.next_group
             self.next_group = (g + 1) % groups
@@ -235,10 +236,13 @@ class Coordinator:
                 continue
             self.current = (g, None)
             planned = self.core.next_batch(g)
-            if planned is None:
-                continue
-            batch, plan = planned
+            if planned is not None:
+                planned_now.append((g, *planned))
+        # how many micro-batches compute at once: a batch alone in the pipeline gets every core of its stage's node
+        computing = len(self.in_flight) + len(planned_now)
+        for g, batch, plan in planned_now:
             self.current = (g, plan)
+            batch.computing = computing
             self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
             self._maybe_inject_fault()
 

@@ -11,7 +11,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from kernels.threads import default_threads
 from stages.engine import split_layers
 from stages.errors import RaymoeError
 from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, resolve_model_path
@@ -31,7 +30,7 @@ class EngineArgs:
     device: str = "cpu"
     transport: str = "object_store"          # one of cluster.pipeline.TRANSPORTS
     placement: str = "pack"                  # a key of cluster.pipeline.PLACEMENTS
-    threads: int | None = None               # torch threads per actor (None: kernels.threads.default_threads)
+    threads: int | None = None               # torch threads per actor (None: a share of its node's cores per step)
     split: list[int] | None = None           # layers per stage (None: even)
     microbatches: int | None = 4             # micro-batch groups (None: pp); 4 gives the same outputs at every pp
     max_batch_tokens: int = 512              # tokens per micro-batch
@@ -94,10 +93,10 @@ class EngineArgs:
 
     def resolved(self) -> EngineArgs:
         """Validated, with what the defaults stand for filled in: the model's absolute path (for actors
-        anywhere), the thread count and the micro-batch groups."""
+        anywhere) and the micro-batch groups."""
         self.validate()
         return dataclasses.replace(self.engine_args(), model=os.path.abspath(resolve_model_path(self.model)),
-                                   threads=self.threads or default_threads(), microbatches=self.microbatches or self.pp)
+                                   microbatches=self.microbatches or self.pp)
 
 
 def parse_split(text: str) -> list[int]:
@@ -118,7 +117,8 @@ FLAGS = {
                       help="a pipeline's stages on as few nodes as possible, or on different nodes"),
     "microbatches": dict(type=int, help="micro-batch groups (>= --pp; none: --pp, the fewest, largest batches; 4, "
                                         "deploy.generate's default, gives the same outputs at every --pp)"),
-    "threads": dict(type=int, help="torch threads per actor (default: cores / 4, the same for every --pp)"),
+    "threads": dict(type=int, help="torch threads per actor (default: the node's cores, shared by the stages that "
+                                   "compute at once; outputs do not depend on it)"),
     "dtype": dict(choices=tuple(MODES), help="auto: weights compute in their file's format, quantised ones with 8-bit "
                                              "activations (as llama.cpp); float32: exact; int8: every weight matrix "
                                              "requantised to int8 rows"),

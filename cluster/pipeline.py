@@ -70,6 +70,8 @@ class Pipeline:
         ray.get(self.pg.ready(), timeout=120)
         if args.transport == "shm":
             self._check_one_node()
+        nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        self.stages_here = [sum(nodes[j] == nodes[i] for j in range(args.pp)) for i in range(args.pp)]
         self.stages: list = [None] * args.pp
         self.experts: list[list] = [[] for _ in range(args.pp)]
         self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
@@ -106,7 +108,7 @@ class Pipeline:
                 a, layers, (j * per, (j + 1) * per)) for j in range(a.ep)]
         self.experts[i] = experts
         options = {**self._options(i), **({"name": name} if name else {})}
-        self.stages[i] = StageActor.options(**options).remote(a, layers, experts or None)
+        self.stages[i] = StageActor.options(**options).remote(a, layers, experts or None, self.stages_here[i])
         self.loading[i] = self.stages[i].load.remote()
 
     def _connect(self):
@@ -134,7 +136,8 @@ class Pipeline:
             ray.wait(refs, num_returns=len(refs), timeout=30)
 
     def submit(self, batch) -> list:
-        """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits."""
+        """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits.
+        batch.computing: the micro-batches in flight with it (the stages size their threads by it)."""
         if self.args.transport in P2P:
             return [a.forward_p2p.remote(batch) for a in self.stages]
         if self.args.transport == "shm":

@@ -1,7 +1,9 @@
 """The thread policy, decided here only: how many torch threads an actor computes with (the --threads
 default), what a worker process's environment must say before it loads torch, and when a step runs
-on one thread. Every choice depends on settings and the step's size, never on timing or on the
-pipeline degree, so outputs stay reproducible: the last bits of a product depend on the thread count.
+on one thread. Outputs do not depend on the thread count (every kernel computes each output in a
+fixed order, and kernels/pointwise.py keeps torch's pointwise ops so; tests/test_threads.py checks
+it), so the count is free to follow the machine: by default the stages that compute at once on a
+node share all of its cores, and a stage whose turn it is alone takes them all.
 """
 from __future__ import annotations
 
@@ -14,15 +16,26 @@ from .dense import GEMV_MAX_ROWS
 from .native import blas_has_own_threads
 
 
-def default_threads() -> int:
-    """Torch threads per actor when --threads is not given: cores / 4, whatever --pp or --ep is."""
-    return max(1, (os.cpu_count() or 1) // 4)
+def node_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # not on Linux
+        return os.cpu_count() or 1
 
 
-def process_env(threads: int, dtype: str) -> dict[str, str]:
-    """Environment variables for an actor that computes with `threads` torch threads in `dtype` mode;
-    they only take effect when set before the process loads torch."""
-    env = {"OPENBLAS_NUM_THREADS": str(threads)}
+def share_of_cores(cores: int, stages_here: int, computing: int) -> int:
+    """Threads for a stage when `computing` micro-batches run at once in a pipeline that has
+    `stages_here` stages on this node of `cores` cores: at most that many of them compute at once
+    here, and they share the cores evenly (a stage alone takes every core)."""
+    return max(1, cores // max(1, min(stages_here, computing)))
+
+
+def process_env(threads: int | None, dtype: str) -> dict[str, str]:
+    """Environment variables for an actor that computes with `threads` torch threads (None: its
+    node's share, see share_of_cores) in `dtype` mode; they only take effect when set before the
+    process loads torch."""
+    env = {"OPENBLAS_NUM_THREADS": str(threads)} if threads else {}
     if dtype != "int8" and blas_has_own_threads():
         # torch's OpenMP workers sleep between ops rather than spin on the cores BLAS needs
         env["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -15,6 +15,9 @@ class StepBatch:
     logit_rows: list[int] = field(default_factory=list)   # flat rows whose logits the last stage computes
     # per chunk, what the last stage samples from its logits (stages/sampling.py); None: it returns the logits
     sampling: list | None = None
+    # micro-batches the pipeline computes at once (at most its stages): a stage actor sizes its share of
+    # the node's cores by it (kernels.threads.share_of_cores); it changes no result
+    computing: int = 1
 
     @property
     def n_tokens(self) -> int:

@@ -9,7 +9,7 @@ import pytest
 from cluster.engine_args import EngineArgs
 from cluster.pipeline import TRANSPORTS
 from deploy import generate, perplexity, serve
-from kernels.threads import default_threads
+from kernels.threads import share_of_cores
 from stages.errors import RaymoeError
 from stages.loader import resolve_model_path
 
@@ -84,9 +84,16 @@ def test_the_serve_config_takes_the_same_values_as_the_command_line():
 
 def test_resolved_fills_in_what_the_defaults_stand_for():
     args = EngineArgs(MODEL, pp=2, microbatches=None).resolved()
-    assert args.microbatches == 2 and args.threads == default_threads()
+    assert args.microbatches == 2 and args.threads is None      # each actor takes its node's share per step
     assert args.model == os.path.abspath(resolve_model_path(MODEL))
     assert EngineArgs(MODEL, threads=3).resolved().threads == 3
+
+
+@pytest.mark.parametrize("cores, here, computing, threads", [
+    (2, 1, 1, 2), (2, 2, 1, 2), (2, 2, 2, 1), (2, 2, 4, 1), (16, 4, 2, 8), (16, 4, 4, 4), (3, 2, 2, 1), (1, 4, 4, 1)])
+def test_stages_computing_at_once_share_the_cores(cores, here, computing, threads):
+    """A stage alone takes every core of its node; stages that compute at once on a node split them."""
+    assert share_of_cores(cores, here, computing) == threads
 
 
 def test_the_transports_are_the_pipelines():

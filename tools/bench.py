@@ -16,10 +16,9 @@ Q8_0 GGUF, and a gpt-oss of similar size with MXFP4 experts. Then, in one run:
   the embedded tiny-qwen35moe over each transport (1 and 16 sequences);
 - coordinator: the coordinator actor's CPU time per step with 64 running sequences on a
   248k-token vocabulary, greedy and sampled;
-- real (only when named): the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
-  tools.make_synthetic (written to --real-dir when missing): load seconds, load + the first answer
-  to a prompt (llama.cpp maps the file and pays for touching the weights there), peak RSS, prefill,
-  batch-1 and 4-sequence decode for raymoe (PP=1, and PP=2 on this node) and llama.cpp.
+- real (only when named): tools/bench_real.py, the full-size files of the released shapes run as
+  users run them (deploy.generate at its defaults, PP=1 and 2), the engine in-process, and
+  llama.cpp at n_threads = cores and cores / 2, in rounds (at least 3).
 Machines are noisy: only ratios measured in one run mean anything, and every report prints the
 host's memory read speed beside its figures.
 """
@@ -263,168 +262,6 @@ def print_ratios(r: dict):
         print(f"  batch16 / batch-1 decode (raymoe-q8_0) {x['batch16_tok_s'] / x['decode_tok_s']:.2f}x")
 
 
-# ---- real sizes --------------------------------------------------------------------------------
-# full-size synthetic files of the released shapes (tools.make_synthetic), with their default mixes
-REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
-REAL_ENGINES = ("raymoe", "llama.cpp", "raymoe-pp2")
-
-
-def real_file(model: str, folder: str) -> str:
-    import subprocess
-
-    path = os.path.join(folder, f"{model}.gguf")
-    if not os.path.exists(path):
-        print(f"writing the full-size {model} file to {path} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", model, "--out", path], check=True)
-    return path
-
-
-def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def bench_real_raymoe(path: str, n_prompt: int, n_decode: int) -> dict:
-    """Load, prefill, batch-1 and 4-sequence decode in this process (PP=1, `--dtype auto`)."""
-    from stages.engine import LocalEngine
-    from stages.loader import open_model
-    from stages.sampling import SamplingParams
-    from stages.scheduler import Scheduler
-
-    start = time.perf_counter()
-    engine = LocalEngine(open_model(path), mode="auto", scheduler=Scheduler(max_batch_tokens=n_prompt,
-                                                                            prefill_chunk=n_prompt))
-    load = time.perf_counter() - start
-    engine.eos_ids = set()
-
-    def generate(n_seqs, prompt_len, n):
-        for i in range(n_seqs):
-            engine.add_request(i, random_ids(prompt_len, i), SamplingParams(max_tokens=n, temperature=0))
-        engine.run_until_done()
-
-    first = timed(lambda: generate(1, n_prompt, 1))      # warm-up (the first answer), as llama.cpp's below
-    prefill = timed(lambda: generate(1, n_prompt, 1))
-    one = timed(lambda: generate(1, 8, 1))
-    decode = timed(lambda: generate(1, 8, n_decode + 1)) - one
-    one_b = timed(lambda: generate(4, 8, 1))
-    decode_b = timed(lambda: generate(4, 8, n_decode // 2 + 1)) - one_b
-    return {"load_s": load, "first_answer_s": load + first, "peak_rss_gb": peak_rss_bytes() / 1e9,
-            "prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / decode,
-            "batch4_tok_s": 4 * (n_decode // 2) / decode_b}
-
-
-def bench_real_llama_cpp(path: str, n_prompt: int, n_decode: int) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    start = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=n_prompt + n_decode + 16, n_batch=n_prompt, n_threads=THREADS,
-                n_threads_batch=THREADS, verbose=False)
-    load = time.perf_counter() - start
-    prompt = random_ids(n_prompt, 0)
-    # one whole prompt first: llama.cpp maps the file, and a first prompt would time the disk paging the
-    # weights in (raymoe's load has read them all); counted in first_answer_s
-    first = timed(lambda: (llm.eval(prompt), llm.sample()))
-    llm.reset()
-    prefill = timed(lambda: llm.eval(prompt))
-    llm.reset()
-    llm.eval(prompt[:8])
-
-    def decode():
-        for _ in range(n_decode):
-            llm.eval([prompt[8]])
-    return {"load_s": load, "first_answer_s": load + first, "peak_rss_gb": peak_rss_bytes() / 1e9,
-            "prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / timed(decode), "batch4_tok_s": None}
-
-
-def bench_real_pp2(path: str, n_decode: int) -> dict:
-    """Two stage actors on this node, each holding half the layers (one thread each)."""
-    from cluster.engine import ClusterEngine, EngineArgs, connect_ray
-
-    connect_ray(4)
-    start = time.perf_counter()
-    engine = ClusterEngine(EngineArgs(path, pp=2, threads=1, microbatches=2, max_running=4))
-    load = time.perf_counter() - start
-    try:
-        def run(n_seqs, n):
-            engine.submit_many([(i, {"prompt_token_ids": random_ids(8, i), "max_tokens": n, "temperature": 0,
-                                     "ignore_eos": True}) for i in range(n_seqs)])
-            done = 0
-            while done < n_seqs:
-                done += len(engine.wait_finished(5))
-        run(1, 2)
-        one = timed(lambda: run(1, 1))
-        decode = timed(lambda: run(1, n_decode + 1)) - one
-        one_b = timed(lambda: run(4, 1))
-        decode_b = timed(lambda: run(4, n_decode // 2 + 1)) - one_b
-        stages = engine.stats()["stages"]
-    finally:
-        engine.shutdown()
-    return {"load_s": load, "peak_rss_gb": max(s["peak_rss_bytes"] for s in stages) / 1e9, "prefill_tok_s": None,
-            "decode_tok_s": n_decode / decode, "batch4_tok_s": 4 * (n_decode // 2) / decode_b,
-            "stage_weights_gb": [s["parameter_bytes"] / 1e9 for s in stages]}
-
-
-def run_real_engine(spec: str, quick: bool) -> dict | None:
-    engine, path = spec.split(":", 1)
-    torch.set_num_threads(THREADS)
-    n_prompt, n_decode = (64, 8) if quick else (512, 32)
-    if engine == "raymoe":
-        return bench_real_raymoe(path, n_prompt, n_decode)
-    if engine == "llama.cpp":
-        return bench_real_llama_cpp(path, n_prompt, n_decode)
-    return bench_real_pp2(path, n_decode)
-
-
-def bench_real(folder: str, quick: bool) -> dict:
-    """Each engine on each full-size file, one at a time in a process of its own (24 GB machine)."""
-    import subprocess
-
-    fields = ("load_s", "first_answer_s", "peak_rss_gb", "prefill_tok_s", "decode_tok_s", "batch4_tok_s")
-    report = {}
-    for model in REAL_MODELS:
-        path = real_file(model, folder)
-        print(f"\n== real: {model} ({os.path.getsize(path) / 1e9:.1f} GB), {THREADS} threads "
-              f"(PP=2: one per stage); prefill {64 if quick else 512} tokens")
-        print(f"{'engine':<14}" + "".join(f"{f:>15}" for f in fields))
-        report[model] = {}
-        for engine in REAL_ENGINES:
-            for cached in (os.path.join(folder, f"{m}.gguf") for m in REAL_MODELS):   # the other file's pages too:
-                if os.path.exists(cached):                     # they would be reclaimed during the load
-                    evict_from_page_cache(cached)
-            cmd = [sys.executable, "-m", "tools.bench", "--real-engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
-            r = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
-            if r is None:
-                why = "not installed" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"{engine:<14}  {why}")
-                continue
-            report[model][engine] = r
-            print(f"{engine:<14}" + "".join(f"{r[f]:>15.2f}" if r.get(f) is not None else f"{'-':>15}" for f in fields))
-        r = report[model]
-        if "raymoe" in r and "llama.cpp" in r:
-            a, b = r["raymoe"], r["llama.cpp"]
-            print(f"ratios raymoe / llama.cpp: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x (>= 1.2), prefill "
-                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x (>= 1.5), load time {a['load_s'] / b['load_s']:.2f}x "
-                  f"(<= 1.5), load + first answer {a['first_answer_s'] / b['first_answer_s']:.2f}x, peak RSS "
-                  f"{a['peak_rss_gb'] / b['peak_rss_gb']:.2f}x")
-    return report
-
-
-def evict_from_page_cache(path: str) -> None:
-    """Drops the file's pages from the page cache, so that every engine loads it from the disk and
-    starts with the same free memory: else the engine that runs first pays the disk and the next
-    ones read memory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)        # a file just written has dirty pages, which stay cached and are written back
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # while the next engine loads
-    finally:
-        os.close(fd)
-
-
 def read_bandwidth_gb_s() -> float:
     """This host's memory read speed with the benchmark's threads: a plain sum over 256 MB, best of 5.
     Figures from hosts that read at different speeds are not comparable; every report prints it."""
@@ -582,13 +419,9 @@ def main(argv=None) -> int:
     p.add_argument("--real-dir", default=None,
                    help="section real: folder for the full-size synthetic files (made when missing; ~28 GB)")
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)    # one engine, JSON out (internal)
-    p.add_argument("--real-engine", help=argparse.SUPPRESS)                 # ENGINE:PATH, JSON out (internal)
     args = p.parse_args(argv)
     if args.engine:
         print(json.dumps(run_engine(args.engine, args.quick)))
-        return 0
-    if args.real_engine:
-        print(json.dumps(run_real_engine(args.real_engine, args.quick)))
         return 0
     sections = set(args.sections.split(","))
     report = {"read_gb_s": read_bandwidth_gb_s()}
@@ -596,7 +429,8 @@ def main(argv=None) -> int:
     if "real" in sections:
         if not args.real_dir:
             p.error("section real needs --real-dir (a folder with room for ~28 GB of model files)")
-        report["real"] = bench_real(args.real_dir, args.quick)
+        from tools.bench_real import bench_real
+        report["real"] = bench_real(args.real_dir, args.quick, max(args.repeat, 3))
     if sections & {"engines", "pp", "hops"}:
         print("synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
     if "engines" in sections:

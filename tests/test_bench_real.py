@@ -1,0 +1,24 @@
+"""The real-size benchmark's own arithmetic, on the embedded models: the weight bytes a token reads,
+and the decode speed it takes from deploy.generate's summary line."""
+import gguf
+import pytest
+
+from models import embedded_model_path
+from tools import bench_real
+
+
+def test_bytes_per_token_counts_the_routed_share_of_the_experts():
+    path = embedded_model_path("tiny-qwen35moe")
+    reader = gguf.GGUFReader(path)
+    share = 2 / 8                                  # the tiny model routes each token to 2 of 8 experts
+    expected = sum(int(t.n_bytes * share) if "_exps." in t.name else int(t.n_bytes) for t in reader.tensors
+                   if t.name != "token_embd.weight" or "output.weight" not in {u.name for u in reader.tensors})
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    assert experts > 0 and bench_real.bytes_per_token(path) == expected
+    assert bench_real.bytes_per_token(path) < sum(int(t.n_bytes) for t in reader.tensors) - 0.5 * experts
+
+
+@pytest.mark.cluster
+def test_generate_is_timed_from_its_own_summary_line():
+    r = bench_real.bench_generate("tiny-gptoss", n_decode=6, pp=1)
+    assert r["decode_tok_s"] > 0 and r["load_s"] > 0
