@@ -15,9 +15,10 @@ from stages.engine import split_layers
 from stages.errors import RaymoeError
 from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, resolve_model_path
 
-from .pipeline import PLACEMENTS, TRANSPORTS
-
 DEVICES = ("cpu", "cuda")
+TRANSPORTS = ("object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
+# pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before the health check fails
 
 
@@ -28,8 +29,8 @@ class EngineArgs:
     ep: int = 0                              # expert actors per stage (0: experts run in the stage)
     dtype: str = "auto"                      # a key of stages.loader.MODES
     device: str = "cpu"
-    transport: str = "object_store"          # one of cluster.pipeline.TRANSPORTS
-    placement: str = "pack"                  # a key of cluster.pipeline.PLACEMENTS
+    transport: str = "object_store"          # one of TRANSPORTS
+    placement: str = "pack"                  # a key of PLACEMENTS
     threads: int | None = None               # torch threads per actor (None: a share of its node's cores per step)
     split: list[int] | None = None           # layers per stage (None: even)
     microbatches: int | None = 4             # micro-batch groups (None: pp); 4 gives the same outputs at every pp

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
 from ray.util import placement_group_table
@@ -29,17 +28,12 @@ from stages.engine import split_layers
 from stages.errors import RaymoeError
 
 from .actors import ExpertActor, StageActor
+from .engine_args import PLACEMENTS, EngineArgs
 from .shm import SHM_DIR
-
-if TYPE_CHECKING:
-    from .engine_args import EngineArgs
 
 RING_PREFIX = "raymoe-ring-"     # the shm transport's names in /dev/shm (there only while a pipeline connects)
 
-TRANSPORTS = ("object_store", "gloo", "nccl", "shm")
 P2P = ("gloo", "nccl")      # torch.distributed point-to-point transports
-# pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
-PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
 
 @dataclass

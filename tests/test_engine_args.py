@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cluster.engine_args import EngineArgs
-from cluster.pipeline import TRANSPORTS
+from cluster.engine_args import TRANSPORTS
 from deploy import generate, perplexity, serve
 from kernels.threads import share_of_cores
 from stages.errors import RaymoeError
