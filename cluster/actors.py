@@ -97,7 +97,7 @@ class StageActor:
         args = self.args
         torch.set_num_threads(args.threads or self.cores)
         model = open_model(args.model, args.max_model_len)
-        need = stage_need(model, self.layers, args.dtype)
+        need = stage_need(model, self.layers, args.dtype, args.step_chunk)
         total = need.weight_bytes
         if args.device == "cuda":
             check_gpu_memory(need.total(args.max_running), self.layers, args.max_running)

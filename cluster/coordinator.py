@@ -65,7 +65,7 @@ class Coordinator:
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
                                args.prefill_chunk, args.max_running)
         if spec.cache_budget is not None:
-            self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget)
+            self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)

@@ -80,7 +80,7 @@ def plan_memory(files, spec: PipelineSpec):
     if spec.args.device == "cuda":
         spec.args = dataclasses.replace(spec.args, max_running=spec.args.max_running or DEFAULT_MAX_RUNNING)
         return
-    needs = [stage_need(files, r, spec.args.dtype) for r in spec.ranges()]
+    needs = [stage_need(files, r, spec.args.dtype, spec.args.step_chunk) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
     wanted = spec.args.max_running
     running = fit_running(needs, nodes or [0], wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from stages.engine import split_layers
 from stages.errors import RaymoeError
-from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, resolve_model_path
+from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
 DEVICES = ("cpu", "cuda")
 TRANSPORTS = ("object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
@@ -53,6 +53,11 @@ class EngineArgs:
         names = [f.name for f in dataclasses.fields(cls) if hasattr(parsed, f.name)]
         return cls(**{**{name: getattr(parsed, name) for name in names}, **overrides})
 
+    @property
+    def step_chunk(self) -> int:
+        """The most tokens of one sequence a step holds (what a sliding-window cache must have room for)."""
+        return min(self.prefill_chunk, self.max_batch_tokens)
+
     def engine_args(self) -> EngineArgs:
         """Only the engine's fields (of a subclass such as ServeArgs)."""
         return EngineArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineArgs)})
@@ -69,8 +74,8 @@ class EngineArgs:
                 fail(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.transport == "nccl" and self.device != "cuda":
             fail("transport", "nccl moves GPU tensors: it needs --device cuda (on CPU use gloo, shm or object_store)")
-        if self.device == "cuda" and self.dtype == "int8":
-            fail("dtype", "int8 is a CPU mode (int8 rows); with --device cuda use auto or float32")
+        if mode_device_error(self.dtype, self.device):
+            raise RaymoeError(mode_device_error(self.dtype, self.device))
         for name, low, none_ok in (("pp", 1, False), ("ep", 0, False), ("threads", 1, True),
                                    ("max_batch_tokens", 1, False), ("prefill_chunk", 1, False),
                                    ("max_running", 1, True), ("max_model_len", 1, True), ("max_queued", 0, True)):

@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1",
                    help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port, on --host (0: no gRPC)")
+    p.add_argument("--grpc-port", type=int, default=ServeArgs.grpc_port, help="gRPC port, on --host (0: no gRPC)")
     p.add_argument("--api-key", default=os.environ.get("RAYMOE_API_KEY") or None,
                    help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*, gRPC metadata) "
                         "(default: $RAYMOE_API_KEY; none: no authentication)")

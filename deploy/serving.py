@@ -33,7 +33,7 @@ class ServeArgs(EngineArgs):
     max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
     served_model_name: str | None = None      # the name clients send as "model" (default: model)
     host: str = "127.0.0.1"                   # where gRPC listens (HTTP: Serve's http_options.host)
-    grpc_port: int = 0                        # 0: no gRPC
+    grpc_port: int = 9000                     # 0: no gRPC
     api_key: str | None = None                # required from clients when set (default: RAYMOE_API_KEY)
     max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
     max_json_depth: int = MAX_JSON_DEPTH

@@ -32,7 +32,6 @@ from .gptoss_hf import GptOssHFWeights
 from .moe import MoE, MoESpec
 
 ARCH = "gpt-oss"
-PREFILL_CHUNK_MAX = 512    # the most tokens of one sequence a step holds (the default max_batch_tokens)
 TOKENIZER_PRE = "gpt-4o"
 DEFAULT_ROPE_THETA = 150000.0           # transformers' GptOssConfig.default_theta
 # transformers' GptOssConfig fills in this block when a config names no RoPE parameters at all.
@@ -198,13 +197,13 @@ def layer_tensor_shapes(cfg: GptOssConfig, i: int) -> dict:
             **moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
 
 
-def layer_cache_bytes(cfg: GptOssConfig, i: int, length: int | None = None) -> int:
+def layer_cache_bytes(cfg: GptOssConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
     """The most one sequence's cache of layer i takes: a full context of keys and values (or what a
     sequence never longer than `length` allocates), or on a sliding layer at most twice the window plus
-    a prefill chunk (what it holds before trimming)."""
+    a step's chunk of the sequence (what it holds before trimming)."""
     positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
     if cfg.is_sliding(i):
-        positions = min(positions, 2 * cfg.sliding_window + PREFILL_CHUNK_MAX)
+        positions = min(positions, 2 * cfg.sliding_window + chunk)
     return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)
 
 

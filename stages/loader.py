@@ -30,6 +30,13 @@ MODES = {
 }
 
 
+def mode_device_error(mode: str, device: str) -> str | None:
+    """Why --dtype `mode` cannot run on --device `device`, or None (decided here only)."""
+    if str(device).startswith("cuda") and mode == "int8":
+        return "--dtype int8 is a CPU mode (int8 rows); with --device cuda use auto or float32"
+    return None
+
+
 def architectures() -> dict[str, ModuleType]:
     from . import gptoss, qwen35moe
     return {qwen35moe.ARCH: qwen35moe, gptoss.ARCH: gptoss}

@@ -40,11 +40,12 @@ def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
     return 4 * n
 
 
-def stage_need(model: ModelFiles, layers: range, mode: str) -> StageNeed:
+def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) -> StageNeed:
+    """chunk: the most tokens of one sequence a step holds (min of --prefill-chunk, --max-batch-tokens)."""
     first, last = layers.start == 0, layers.stop == model.n_layers
     shapes = model.expected_shapes(layers, first, last)
     weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
-    caches = sum(model.arch.layer_cache_bytes(model.config, i) for i in layers)     # a full context each
+    caches = sum(model.arch.layer_cache_bytes(model.config, i, chunk=chunk) for i in layers)   # a full context each
     return StageNeed(layers, weights, caches)
 
 
@@ -54,14 +55,14 @@ class CacheBudget:
     rather than a full context. The engine admits a sequence only while every stage has room for it,
     so a stage never holds more cache than its placement reserved (cluster.engine.plan_memory)."""
 
-    def __init__(self, model: ModelFiles, ranges: list[range], budget: list[int]):
-        self.model, self.ranges = model, ranges
+    def __init__(self, model: ModelFiles, ranges: list[range], budget: list[int], chunk: int = 512):
+        self.model, self.ranges, self.chunk = model, ranges, chunk
         self.budget, self.used = list(budget), [0] * len(budget)
 
     def need(self, length: int) -> tuple[int, ...]:
         """Bytes per stage for a sequence that never holds more than `length` positions."""
         arch, cfg = self.model.arch, self.model.config
-        return tuple(sum(arch.layer_cache_bytes(cfg, i, length) for i in r) for r in self.ranges)
+        return tuple(sum(arch.layer_cache_bytes(cfg, i, length, self.chunk) for i in r) for r in self.ranges)
 
     def fits(self, need: tuple[int, ...]) -> bool:
         return all(u + n <= b for u, n, b in zip(self.used, need, self.budget))

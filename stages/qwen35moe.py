@@ -142,9 +142,9 @@ def layer_tensor_shapes(cfg: Qwen35MoeConfig, i: int) -> dict:
     return {**Block.norm_shapes(i, cfg.hidden), **mixer, **moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
 
 
-def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int, length: int | None = None) -> int:
+def layer_cache_bytes(cfg: Qwen35MoeConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
     """The most one sequence's cache of layer i takes: keys and values for a full context (or for a
-    sequence never longer than `length`), or the DeltaNet state (whatever the length)."""
+    sequence never longer than `length`), or the DeltaNet state (whatever the length or step chunk)."""
     if cfg.is_full_attention(i):
         positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
         return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)

@@ -14,7 +14,7 @@ from kernels.weights import cat_weights
 from .batch import StepBatch, StepContext
 from .errors import ModelFormatError
 from .gguf_file import finish_reads
-from .loader import MODES, ModelFiles
+from .loader import MODES, ModelFiles, mode_device_error
 from .sampling import sample_chunks
 
 
@@ -27,8 +27,8 @@ def check_device(device: str, mode: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
                              "use --device cpu")
-        if mode == "int8":
-            raise ValueError("--dtype int8 is a CPU mode (int8 rows); on --device cuda use auto or float32")
+        if mode_device_error(mode, device.type):
+            raise ValueError(mode_device_error(mode, device.type))
     return device
 
 

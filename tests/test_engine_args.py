@@ -61,7 +61,7 @@ def test_defaults_are_the_same_from_every_front():
     from its command line and from a Serve config alike."""
     assert EngineArgs.from_flags(generate.parse_args(["--model", MODEL, *JOB])) == EngineArgs(MODEL)
     assert EngineArgs(MODEL).microbatches == 4 and EngineArgs(MODEL).max_queued is None
-    from_cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL, "--grpc-port", "0"]))
+    from_cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL]))
     from_config = serve.ServeArgs(**{"model": MODEL})
     assert from_cli == from_config
     assert from_cli.engine_args() == EngineArgs(MODEL, microbatches=None, max_queued=256)

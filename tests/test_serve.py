@@ -62,7 +62,8 @@ def server():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         # the batch job's micro-batch groups, so that the server's outputs equal deploy.generate's
-        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED, "microbatches": 4}),
+        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED, "microbatches": 4,
+                              "grpc_port": 0}),
                   name="raymoe-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         connect_ray(args.pp)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None)), name="raymoe-bench", route_prefix="/")
+        serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None, grpc_port=0)), name="raymoe-bench", route_prefix="/")
         url, started = f"http://127.0.0.1:{port}", True
     else:
         import urllib.request
