@@ -15,7 +15,8 @@ from protos import raymoe_pb2 as pb
 from deploy.grpc_service import engine_request
 from stages.errors import RequestError
 from stages.requests import sampling_params
-from stages.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams, logprob_entry, sample_token
+from stages.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams, adjust_logits, logprob_entry,
+                             sample_token)
 from stages.sequence import Sequence
 
 CONTEXT = 4096
@@ -50,7 +51,9 @@ def jsonl(fields):
 
 
 @given(st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
-                                        "prompt_logprobs", "ignore_eos"]), JSON_VALUES))
+                                        "prompt_logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
+                                        "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "n"]),
+                       JSON_VALUES))
 @SETTINGS
 def test_any_json_value_is_accepted_or_rejected_with_a_message(fields):
     jsonl(fields)
@@ -103,15 +106,23 @@ VALID = st.builds(
     top_p=st.one_of(st.just(1.0), st.floats(5e-324, 1.0, exclude_min=False)),
     top_k=st.one_of(st.sampled_from([-1, 0, 1]), st.integers(1, 2 ** 63)),
     seed=st.one_of(st.none(), st.integers(0, 2 ** 63 - 1)),
-    logprobs=st.integers(0, MAX_LOGPROBS))
+    logprobs=st.integers(0, MAX_LOGPROBS),
+    min_p=st.one_of(st.just(0.0), st.floats(0, 1)),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.one_of(st.just(1.0), st.floats(0.01, 100)),
+    logit_bias=st.dictionaries(st.integers(0, 39), st.floats(-100, 100), max_size=5))
+HISTORY = st.lists(st.integers(0, 39), max_size=12)
 LOGITS = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
 
-@given(VALID, LOGITS)
+@given(VALID, LOGITS, HISTORY, HISTORY)
 @SETTINGS
-def test_accepted_values_sample_any_finite_logits(params, logits):
-    params.validate(CONTEXT)
-    row = torch.tensor(logits, dtype=torch.float32)
+def test_accepted_values_sample_any_finite_logits(params, logits, output, prompt):
+    params.logit_bias = {t: b for t, b in params.logit_bias.items() if t < len(logits)}
+    params.validate(CONTEXT, len(logits))
+    output, prompt = [t for t in output if t < len(logits)], [t for t in prompt if t < len(logits)]
+    row = adjust_logits(torch.tensor(logits, dtype=torch.float32), params, output, prompt)
+    assert torch.isfinite(row).all()
     token = sample_token(row, params, params.seed or 0, 0)
     assert 0 <= token < len(logits)
     assert row[token] > -math.inf
