@@ -22,7 +22,6 @@ stop_token_ids at most MAX_STOP_TOKEN_IDS ids, each inside the vocabulary.
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -39,7 +38,7 @@ NUCLEUS_GUESSES = (256, 4096)   # top-p looks for its nucleus among this many be
 MAX_LOGIT_BIAS = 300            # entries of logit_bias (as OpenAI)
 MAX_BIAS = 100.0                # |bias| of one logit_bias entry (as OpenAI)
 MAX_PENALTY = 2.0               # |presence_penalty|, |frequency_penalty| (as OpenAI)
-REPETITION_RANGE = (0.01, 100.0)   # repetition_penalty: a logit divided by 0.01 stays far from overflow
+REPETITION_RANGE = (0.01, 100.0)   # repetition_penalty (1: off); adjust_logits keeps the row finite
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16                      # choices of one HTTP request (deploy/openai_api.py)
 # the fields a model's generation_config.json (or GGUF general.sampling.*) may give defaults for
