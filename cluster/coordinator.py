@@ -66,6 +66,8 @@ class Coordinator:
                                args.prefill_chunk, args.max_running)
         if spec.cache_budget is not None:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
+        # a request's sampling values over the job's (deploy.generate flags) over the model's over the built-in ones
+        self.model_defaults = SamplingParams.from_dict(model.sampling_defaults)
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
@@ -112,7 +114,10 @@ class Coordinator:
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         if self.error:
             raise RaymoeError(self.error)
-        params = sampling_params(request, SamplingParams.from_dict(defaults or {}), self.core.config.context_length)
+        config = self.core.config
+        job = {k: v for k, v in (defaults or {}).items() if v is not None}
+        params = sampling_params(request, SamplingParams.from_dict(job, self.model_defaults), config.context_length,
+                                 config.vocab)
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
         seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)

@@ -46,16 +46,24 @@ def parse_args(argv=None):
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
                          "max_model_len", "max_running"])
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # sampling defaults of the job; a line's own values override them, and they override the model's
+    # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
+    p.add_argument("--max-tokens", type=int, default=None, help="default 64")
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's, else 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's, else 1 (off)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="default 0")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="default 0")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--logprobs", type=int, default=None, help="top-K logprobs per generated token")
     p.add_argument("--prompt-logprobs", type=int, default=None, help="top-K logprobs per prompt token")
     return p.parse_args(argv)
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -107,10 +115,9 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+    defaults = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     try:
-        SamplingParams(**defaults).validate()
+        SamplingParams.from_dict(defaults)
     except RequestError as e:
         raise RaymoeError(f"bad sampling flag: {e}") from None
     if args.window < 1 or args.replicas < 1:
@@ -137,7 +144,7 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
         _handle_signals()       # ray.init replaced the SIGTERM handler
         try:
             try:
-                SamplingParams(**defaults).validate(engine.config.context_length)
+                SamplingParams.from_dict(defaults, context_length=engine.config.context_length)
             except RequestError as e:
                 raise RaymoeError(f"bad sampling flag: {e}") from None
             _Signals.deferred = True

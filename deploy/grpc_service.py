@@ -51,11 +51,16 @@ def engine_request(request: pb.GenerateRequest, serving) -> dict:
     except RequestError as e:
         raise APIError(400, str(e), param=which) from None
     out = {"prompt_token_ids": ids}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_p"):
         if request.HasField(name):
             out[name] = getattr(request, name)
     if request.stop:
         out["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        out["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        out["logit_bias"] = dict(sorted(request.logit_bias.items()))      # a map has no order: errors name the lowest
     return out
 
 

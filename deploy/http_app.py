@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
-                               models_response, parse_chat, parse_completion, sse)
+                               models_response, parse_chat, parse_completion, sse, usage_chunk)
 from deploy.serving import Generation, ServeArgs, Serving
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from stages.errors import RaymoeError
@@ -62,19 +62,54 @@ def unauthorized() -> APIError:
 
 
 class GenerationStream(StreamingResponse):
-    """Server-sent events of one generation; however the response ends (finished, client gone,
-    task cancelled), the sequence is freed."""
+    """Server-sent events of one request's generations (one per choice); however the response ends
+    (finished, client gone, task cancelled), the sequences are freed."""
 
-    def __init__(self, content, generation: Generation):
+    def __init__(self, content, generations: list[Generation]):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.abort()
+            for generation in self.generations:
+                generation.abort()
+
+
+async def merged_updates(generations: list[Generation]):
+    """(choice index, update) of several generations as they come. One reader task per generation; an
+    error in one ends the merge (raised here), and closing the merge cancels the readers."""
+    if len(generations) == 1:
+        async for update in generations[0].updates():
+            yield 0, update
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def read(i: int, generation: Generation):
+        try:
+            async for update in generation.updates():
+                queue.put_nowait((i, update))
+            queue.put_nowait((i, done))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    readers = [asyncio.ensure_future(read(i, g)) for i, g in enumerate(generations)]
+    try:
+        left = len(readers)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for reader in readers:
+            reader.cancel()
 
 
 api = FastAPI(title="raymoe", docs_url=None, redoc_url=None, openapi_url=None)
@@ -207,21 +242,28 @@ class RaymoeServer:
                 raise unauthorized()
             raw = await read_body(request, s.args.max_body_bytes)
             p = await asyncio.to_thread(s.prepare, raw, parse)      # /health answers meanwhile
-            generation = await s.start(p.id, p.engine_request, arrived)
+            generations = []
+            try:
+                for request in p.choice_requests():       # one sequence per choice (n)
+                    generations.append(await s.start(p.id, request, arrived))
+            except BaseException:
+                for generation in generations:
+                    generation.abort()
+                raise
         except APIError as e:
             s.metrics.answered(endpoint, e.status)
             return error_response(e)
         try:
             prompt_text = s.tokenizer.decode(p.prompt_ids) if p.echo else ""
             if p.stream:
-                response = GenerationStream(self._events(p, generation, prompt_text), generation)
+                response = GenerationStream(self._events(p, generations, prompt_text), generations)
                 s.metrics.answered(endpoint, 200)
                 return response
-            result = await generation.result()
+            results = await asyncio.gather(*(g.result() for g in generations))
             if p.kind == "chat":
-                body = chat_response(p, result, s.token_text)
+                body = chat_response(p, results, s.token_text)
             else:
-                body = completion_response(p, result, s.token_text, prompt_text)
+                body = completion_response(p, results, s.token_text, prompt_text)
             s.metrics.answered(endpoint, 200)
             return JSONResponse(body)
         except APIError as e:
@@ -229,16 +271,20 @@ class RaymoeServer:
             return error_response(e)
         finally:
             if not p.stream:
-                generation.abort()     # the client went away (this task was cancelled) or it failed
+                for generation in generations:
+                    generation.abort()     # the client went away (this task was cancelled) or it failed
 
-    async def _events(self, p, generation: Generation, prompt_text: str):
-        formatter = StreamFormatter(p, self.serving.token_text, prompt_text)
+    async def _events(self, p, generations: list[Generation], prompt_text: str):
+        formatters = [StreamFormatter(p, self.serving.token_text, prompt_text, i) for i in range(len(generations))]
         try:
-            for chunk in formatter.start():
-                yield sse(chunk)
-            async for update in generation.updates():
-                for chunk in formatter.update(update):
+            for formatter in formatters:
+                for chunk in formatter.start():
                     yield sse(chunk)
+            async for i, update in merged_updates(generations):
+                for chunk in formatters[i].update(update):
+                    yield sse(chunk)
+            if p.include_usage and p.n > 1:
+                yield sse(usage_chunk(p, [f.result for f in formatters]))
         except APIError as e:
             yield sse(e.body())
         except Exception as e:     # the pipeline failed mid-stream: say so in the stream

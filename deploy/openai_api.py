@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from stages.errors import RequestError
 from stages.requests import check_prompt, prompt_ids
-from stages.sampling import SamplingParams
+from stages.sampling import MAX_N, SamplingParams, choice_seed
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -47,8 +47,10 @@ def request_error(e: RequestError, default_param: str | None = None) -> APIError
     return APIError(400, message, param=param)
 
 
-SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
-                   "ignore_eos")
+# the body's sampling fields that go to the engine as they are (stages/sampling.py validates them)
+ENGINE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+SAMPLING_PARAMS = ("max_tokens", "logprobs", "prompt_logprobs", *ENGINE_FIELDS)
 
 
 @dataclass
@@ -64,7 +66,16 @@ class Prepared:
     echo: bool = False
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
+    n: int = 1                         # choices: one engine request each (choice_requests)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_requests(self) -> list[dict]:
+        """The engine request of every choice: with a seed, choice i samples with choice_seed(seed, i), so
+        each choice is reproducible and choice 0 is what n=1 gives; without one, each draws its own seed."""
+        seed = self.engine_request.get("seed")
+        if self.n == 1 or seed is None:
+            return [self.engine_request] * self.n
+        return [{**self.engine_request, "seed": choice_seed(seed, i)} for i in range(self.n)]
 
 
 def _bool(body: dict, name: str, default=False) -> bool:
@@ -92,14 +103,11 @@ def _common(body: dict, served_model: str):
     if model and model != served_model:
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
                             f"(see GET /v1/models)", param="model", code="model_not_found")
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise APIError(400, f"n must be 1 (one choice per request), got {n!r}", param="n", code=UNSUPPORTED)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by this server (got {body.get(name)!r})", param=name,
-                           code=UNSUPPORTED)
-    _unsupported(body, "logit_bias")
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {repr(n)[:40]}", param="n")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -109,12 +117,12 @@ def _common(body: dict, served_model: str):
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
         include_usage = _bool(options, "include_usage")
-    return stream, include_usage
+    return stream, include_usage, n
 
 
 def _sampling(body: dict, max_tokens) -> dict:
     out = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"):
+    for name in ENGINE_FIELDS:
         if body.get(name) is not None:
             out[name] = body[name]
     return out
@@ -146,9 +154,9 @@ def _check_length(ids: list[int], context_length: int, vocab: int, param: str):
         raise APIError(400, str(e), param=param) from None
 
 
-def _validate_sampling(request: dict):
+def _validate_sampling(request: dict, vocab: int):
     try:
-        SamplingParams.from_dict(request)
+        SamplingParams.from_dict(request, vocab=vocab)
     except RequestError as e:
         raise request_error(e) from None
     except TypeError as e:
@@ -157,7 +165,7 @@ def _validate_sampling(request: dict):
 
 def parse_completion(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
-    stream, include_usage = _common(body, served_model)
+    stream, include_usage, n = _common(body, served_model)
     _unsupported(body, "suffix")
     if body.get("best_of") not in (None, 1):
         raise APIError(400, f"best_of must be 1, got {body.get('best_of')!r}", param="best_of", code=UNSUPPORTED)
@@ -188,10 +196,10 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
         request["logprobs"] = logprobs
         if echo:
             request["prompt_logprobs"] = logprobs
-    _validate_sampling(request)
+    _validate_sampling(request, vocab)
     return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
                     include_usage=include_usage, echo=echo, logprobs=logprobs,
-                    return_token_ids=_bool(body, "return_token_ids"))
+                    return_token_ids=_bool(body, "return_token_ids"), n=n)
 
 
 def _message_content(message, i: int):
@@ -214,7 +222,7 @@ def _message_content(message, i: int):
 
 def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
-    stream, include_usage = _common(body, served_model)
+    stream, include_usage, n = _common(body, served_model)
     for name in ("tools", "functions", "tool_choice", "function_call"):
         _unsupported(body, name, allowed=(None, "none"))
     fmt = body.get("response_format")
@@ -241,9 +249,10 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
         request["logprobs"] = logprobs
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    _validate_sampling(request)
+    _validate_sampling(request, vocab)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
-                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"))
+                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
+                    n=n)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -323,9 +332,21 @@ def check_result(result: dict):
         raise APIError(500, f"generation failed: {result['error']}")
 
 
-def completion_response(p: Prepared, result: dict, token_text: TokenText, prompt_text: str | None) -> dict:
-    """The non-streamed body. prompt_text: the decoded prompt (for echo)."""
-    check_result(result)
+def total_usage(results: list[dict]) -> dict:
+    """The usage of a request's choices: its prompt once (as OpenAI and vLLM count it), every choice's tokens."""
+    return usage(results[0]["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results))
+
+
+def completion_response(p: Prepared, results: list[dict], token_text: TokenText, prompt_text: str | None) -> dict:
+    """The non-streamed body of the choices' results. prompt_text: the decoded prompt (for echo)."""
+    for r in results:
+        check_result(r)
+    return {"id": p.id, "object": "text_completion", "created": p.created, "model": p.model,
+            "choices": [_completion_choice(p, i, r, token_text, prompt_text) for i, r in enumerate(results)],
+            "usage": total_usage(results)}
+
+
+def _completion_choice(p: Prepared, index: int, result: dict, token_text: TokenText, prompt_text: str | None) -> dict:
     text = result["text"]
     logprobs = None
     if p.logprobs is not None:
@@ -335,22 +356,27 @@ def completion_response(p: Prepared, result: dict, token_text: TokenText, prompt
             logprobs = _merge_logprobs(_prompt_logprobs(result["prompt_logprobs"], p.prompt_ids, token_text), logprobs)
     if p.echo:
         text = prompt_text + text
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result["finish_reason"]}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result["finish_reason"]}
     if p.return_token_ids:
         choice.update(prompt_token_ids=result["prompt_token_ids"], token_ids=result["token_ids"])
-    return {"id": p.id, "object": "text_completion", "created": p.created, "model": p.model, "choices": [choice],
-            "usage": usage(**result["usage"])}
+    return choice
 
 
-def chat_response(p: Prepared, result: dict, token_text: TokenText) -> dict:
-    check_result(result)
-    choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
+def chat_response(p: Prepared, results: list[dict], token_text: TokenText) -> dict:
+    for r in results:
+        check_result(r)
+    return {"id": p.id, "object": "chat.completion", "created": p.created, "model": p.model,
+            "choices": [_chat_choice(p, i, r, token_text) for i, r in enumerate(results)],
+            "usage": total_usage(results)}
+
+
+def _chat_choice(p: Prepared, index: int, result: dict, token_text: TokenText) -> dict:
+    choice = {"index": index, "message": {"role": "assistant", "content": result["text"]},
               "logprobs": chat_logprobs(result["logprobs"], token_text) if p.logprobs is not None else None,
               "finish_reason": result["finish_reason"]}
     if p.return_token_ids:
         choice.update(prompt_token_ids=result["prompt_token_ids"], token_ids=result["token_ids"])
-    return {"id": p.id, "object": "chat.completion", "created": p.created, "model": p.model, "choices": [choice],
-            "usage": usage(**result["usage"])}
+    return choice
 
 
 # ---- streaming ----------------------------------------------------------------------------------
@@ -401,10 +427,12 @@ SSE_DONE = sse("[DONE]")
 
 
 class StreamFormatter:
-    """Chunks of one streamed completion or chat completion, in OpenAI's shapes."""
+    """Chunks of one choice (`index`) of a streamed completion or chat completion, in OpenAI's shapes. With
+    several choices (n > 1) the caller sends the usage chunk once all have finished (usage_chunk)."""
 
-    def __init__(self, p: Prepared, token_text: TokenText, prompt_text: str = ""):
-        self.p, self.token_text, self.prompt_text = p, token_text, prompt_text
+    def __init__(self, p: Prepared, token_text: TokenText, prompt_text: str = "", index: int = 0):
+        self.p, self.token_text, self.prompt_text, self.index = p, token_text, prompt_text, index
+        self.result: dict | None = None
         stop = p.engine_request.get("stop") or []
         self.deltas = TextDeltas([stop] if isinstance(stop, str) else stop)
         self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
@@ -413,7 +441,7 @@ class StreamFormatter:
     def _chunk(self, choice: dict) -> dict:
         obj = "chat.completion.chunk" if self.p.kind == "chat" else "text_completion"
         chunk = {"id": self.p.id, "object": obj, "created": self.p.created, "model": self.p.model,
-                 "choices": [{"index": 0, **choice}]}
+                 "choices": [{"index": self.index, **choice}]}
         if self.p.include_usage:
             chunk["usage"] = None
         return chunk
@@ -456,21 +484,27 @@ class StreamFormatter:
         """Chunks for one engine update ({"token_ids", "text_delta", "logprobs"}, maybe "finished")."""
         out = [] if self.started else self.start()
         if "finished" in update:
-            result = update["finished"]
+            result = self.result = update["finished"]
             check_result(result)
             chunk = self._content(self.deltas.final(result["text"]), update["token_ids"], update.get("logprobs"))
             if chunk:
                 out.append(chunk)
             empty = {"delta": {}} if self.p.kind == "chat" else {"text": ""}
             out.append(self._chunk({**empty, "logprobs": None, "finish_reason": result["finish_reason"]}))
-            if self.p.include_usage:
-                out.append({"id": self.p.id, "object": out[-1]["object"], "created": self.p.created,
-                            "model": self.p.model, "choices": [], "usage": usage(**result["usage"])})
+            if self.p.include_usage and self.p.n == 1:
+                out.append(usage_chunk(self.p, [result]))
             return out
         chunk = self._content(self.deltas.update(update["text_delta"]), update["token_ids"], update.get("logprobs"))
         if chunk:
             out.append(chunk)
         return out
+
+
+def usage_chunk(p: Prepared, results: list[dict]) -> dict:
+    """The last chunk of a stream with include_usage: no choices, the usage of them all."""
+    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+    return {"id": p.id, "object": obj, "created": p.created, "model": p.model, "choices": [],
+            "usage": total_usage(results)}
 
 
 def models_response(served_model: str, context_length: int, created: int) -> dict:

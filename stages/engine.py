@@ -56,6 +56,7 @@ class EngineCore:
 
     def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
+        params.validate(vocab=self.config.vocab)      # token ids of logit_bias and stop_token_ids
         seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
                        self.config.context_length)
         if self.cache_budget is not None:

@@ -5,8 +5,9 @@ own layers through `ModelFiles.weight`.
 """
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +43,33 @@ def architectures() -> dict[str, ModuleType]:
     return {qwen35moe.ARCH: qwen35moe, gptoss.ARCH: gptoss}
 
 
+# llama.cpp's GGUF keys of sampling defaults (gguf.Keys.General.SAMPLING_*) -> SamplingParams fields
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def sampling_defaults(path: str, metadata: dict | None = None) -> dict:
+    """The sampling defaults a model gives: an HF directory's generation_config.json (temperature, top_p,
+    top_k, min_p, repetition_penalty, as vLLM reads them), a GGUF file's general.sampling.* keys. Values
+    that a request could not hold are left out with a warning (stages.sampling.model_defaults)."""
+    from .sampling import model_defaults
+    if metadata is None:
+        file = os.path.join(path, "generation_config.json")
+        if not os.path.isfile(file):
+            return {}
+        try:
+            with open(file, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"{file}: invalid JSON ({e})") from None
+        if not isinstance(values, dict):
+            raise ModelFormatError(f"{file}: not a JSON object")
+        return model_defaults(values, file)
+    values = {name: metadata[key] for key, name in GGUF_SAMPLING_KEYS.items() if key in metadata}
+    return model_defaults(values, path)
+
+
 HF_MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "gpt_oss": "gpt-oss"}
 
 
@@ -52,6 +80,8 @@ class ModelFiles:
     config: Any
     source: Any               # get(name) -> float32 tensor in GGUF conventions; has(name)
     tokenizer: Any
+    # the model's own sampling defaults (SamplingParams field -> value), used where a request gives none
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -162,6 +192,7 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
         config = arch.config_from_hf(files.config, path)
         source = arch.hf_weights(files, config)
         tokenizer = Tokenizer.from_hf_dir(path)
+        defaults = sampling_defaults(path)
     else:
         gguf = GGUFFile(path)
         if gguf.architecture not in archs:
@@ -176,8 +207,10 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
         config = arch.config_from_gguf(gguf.metadata, path)
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        defaults = sampling_defaults(path, gguf.metadata)
     if max_model_len is not None and max_model_len < 2:
         raise ModelFormatError(f"--max-model-len {max_model_len} must be at least 2")
     if max_model_len is not None:
         config.context_length = min(config.context_length, max_model_len)
-    return ModelFiles(path=path, arch=arch, config=config, source=source, tokenizer=tokenizer)
+    return ModelFiles(path=path, arch=arch, config=config, source=source, tokenizer=tokenizer,
+                      sampling_defaults=defaults)

@@ -39,7 +39,13 @@ def check_prompt(ids: list[int], vocab_size: int, context_length: int):
                            f"(at most {context_length - 1} prompt tokens)")
 
 
-def sampling_params(request: dict, defaults: SamplingParams, context_length: int | None = None) -> SamplingParams:
+def sampling_params(request: dict, defaults: SamplingParams, context_length: int | None = None,
+                    vocab: int | None = None) -> SamplingParams:
     """The one validation of sampling values that JSONL lines, HTTP bodies and gRPC requests all go
-    through (in the coordinator): RequestError with a one-line message, or the parameters."""
-    return SamplingParams.from_dict(request, defaults, context_length)
+    through (in the coordinator): RequestError with a one-line message, or the parameters. One request is
+    one sequence: `n` (choices) is the HTTP API's, which submits one request per choice."""
+    n = request.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise RequestError(f"n must be 1 in an engine request (one result per request: send one line per "
+                           f"sample, with different seeds), got {repr(n)[:40]}")
+    return SamplingParams.from_dict(request, defaults, context_length, vocab)

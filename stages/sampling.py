@@ -3,16 +3,26 @@
 The last pipeline stage samples (sample_chunks). Each draw is a function of the sequence's seed
 and the token's position (uniform), so a seeded request draws the same tokens whatever else shares
 its batch and whichever PP degree, expert placement or transport runs it. Logprobs are the log-softmax of the raw logits (before
-temperature, top-k or top-p).
+logit_bias, penalties, temperature, top-k, min-p or top-p: vLLM's default).
+
+Before temperature, a row's logits may be adjusted (adjust_logits, in vLLM's order): logit_bias
+added, then the repetition penalty on every token seen in the prompt or the output, then the
+frequency and presence penalties from the output's token counts. The sequence's history travels
+with its ChunkSampling (only when a penalty is set), so the last stage keeps no state of its own and
+a restarted stage samples the same. After temperature and top-k, min_p drops the tokens whose
+probability is below min_p times the best token's; then top-p. Greedy (temperature 0) takes the
+argmax of the adjusted row.
 
 Validation bounds every value by what the arithmetic can bear: a temperature below
 MIN_TEMPERATURE (but above 0) is greedy, as 0 is, since dividing by it would overflow;
 max_tokens is at most the model's context; stop strings are at most MAX_STOPS strings of at
-most MAX_STOP_CHARS characters each.
+most MAX_STOP_CHARS characters each; logit_bias holds at most MAX_LOGIT_BIAS entries and
+stop_token_ids at most MAX_STOP_TOKEN_IDS ids, each inside the vocabulary.
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -25,6 +35,15 @@ MIN_TEMPERATURE = 1e-5     # below it (and above 0) sampling is greedy: logits /
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 NUCLEUS_GUESSES = (256, 4096)   # top-p looks for its nucleus among this many best tokens before sorting them all
+MAX_LOGIT_BIAS = 300            # entries of logit_bias (as OpenAI)
+MAX_BIAS = 100.0                # |bias| of one logit_bias entry (as OpenAI)
+MAX_PENALTY = 2.0               # |presence_penalty|, |frequency_penalty| (as OpenAI)
+REPETITION_RANGE = (0.01, 100.0)   # repetition_penalty (1: off); adjust_logits keeps the row finite
+MAX_STOP_TOKEN_IDS = 256
+MAX_N = 16                      # choices of one HTTP request (deploy/openai_api.py)
+# the fields a model's generation_config.json (or GGUF general.sampling.*) may give defaults for
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")
 
 
 @dataclass
@@ -38,22 +57,39 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     ignore_eos: bool = False          # run to max_tokens through end tokens (as vLLM's; for benchmarks)
+    presence_penalty: float = 0.0     # subtracted from the logit of every token the output holds (OpenAI)
+    frequency_penalty: float = 0.0    # times the token's count in the output, subtracted (OpenAI)
+    repetition_penalty: float = 1.0   # tokens of prompt or output: logit / it when positive, * it else (vLLM, HF)
+    min_p: float = 0.0                # drop tokens less likely than min_p times the best one
+    logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit
+    stop_token_ids: list = field(default_factory=list)  # tokens that end the sequence ("stop")
 
     @classmethod
     def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None,
-                  context_length: int | None = None) -> "SamplingParams":
+                  context_length: int | None = None, vocab: int | None = None) -> "SamplingParams":
         """Defaults overridden by the known keys of `values`; every value is checked (see validate)."""
         base = {f.name: getattr(defaults or cls(), f.name) for f in fields(cls)}
         for name in base:
             if name in values and values[name] is not None:
                 base[name] = values[name]
         params = cls(**base)
-        params.validate(context_length)
+        params.validate(context_length, vocab)
         return params
 
-    def validate(self, context_length: int | None = None):
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty needs the sequence's history (ChunkSampling.output_ids)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
+
+    def validate(self, context_length: int | None = None, vocab: int | None = None):
         """Raise RequestError (one line naming the field and its limit) for any value out of bounds;
-        with context_length, max_tokens may not exceed the model's context."""
+        with context_length, max_tokens may not exceed the model's context; with vocab, the token ids of
+        logit_bias and stop_token_ids must be in it. logit_bias becomes {int id: float bias} (JSON gives
+        string keys) and stop_token_ids a list."""
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -85,10 +121,84 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_short(v)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise RequestError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {_short(v)}")
+        low, high = REPETITION_RANGE
+        if not is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise RequestError(f"repetition_penalty must be a number in [{low:g}, {high:g}] (1: none), "
+                               f"got {_short(self.repetition_penalty)}")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be a number in [0, 1], got {_short(self.min_p)}")
+        self.logit_bias = _check_logit_bias(self.logit_bias, vocab)
+        self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids, vocab)
         # last, so that a request is refused for the same field whether or not the context is known yet
         if context_length is not None and self.max_tokens > context_length:
             raise RequestError(f"max_tokens must be at most the model's context ({context_length} tokens), "
                                f"got {self.max_tokens}")
+
+
+def _token_id(value, field: str, vocab: int | None, strings: bool = False) -> int:
+    """A token id of a request's field: an int (with `strings`, also its decimal string: JSON object keys)
+    inside the vocabulary."""
+    if strings and isinstance(value, str) and _TOKEN_KEY.fullmatch(value):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(f"{field} must hold token ids (integers), got {_short(value)}")
+    if value < 0 or (vocab is not None and value >= vocab):
+        bound = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+        raise RequestError(f"{field} token id {value} is outside the vocabulary ({bound})")
+    return value
+
+
+def _check_logit_bias(bias, vocab: int | None) -> dict:
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object mapping token ids to biases, got {_short(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = {}
+    for key, value in bias.items():
+        token = _token_id(key, "logit_bias", vocab, strings=True)
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not -MAX_BIAS <= value <= MAX_BIAS):
+            raise RequestError(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
+                               f"{_short(value)} for token {token}")
+        if token in out:
+            raise RequestError(f"logit_bias names token {token} twice")
+        out[token] = float(value)
+    return out
+
+
+def _check_stop_token_ids(ids, vocab: int | None) -> list:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {_short(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    return [_token_id(t, "stop_token_ids", vocab) for t in ids]
+
+
+def model_defaults(values: dict, where: str) -> dict:
+    """The sampling defaults a model file gives (MODEL_DEFAULT_FIELDS present in `values`), each checked
+    alone; a value the validation refuses is left out with a warning (the built-in default then applies)."""
+    out = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = values.get(name)
+        if value is None:
+            continue
+        if name == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            SamplingParams.from_dict({name: value})
+        except RequestError as e:
+            log.warning("%s: ignoring the default %s: %s", where, name, e)
+            continue
+        out[name] = value
+    return out
 
 
 def _short(value, limit: int = 80) -> str:
@@ -119,9 +229,42 @@ def uniform(seed: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / 2.0 ** 53
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with n choices: the request's own for the first (so n=1 and
+    choice 0 agree), a splitmix64 mix of (seed, index) for the others, in [0, 2**63)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def adjust_logits(logits: torch.Tensor, p: SamplingParams, output_ids=(), prompt_ids=()) -> torch.Tensor:
+    """A float32 row [V] with the request's logit_bias and penalties applied (a new tensor), in vLLM's order:
+    the bias added; then every token in prompt_ids or output_ids divided by repetition_penalty where its
+    logit is positive and multiplied by it where not; then frequency_penalty times the token's count in
+    output_ids and presence_penalty (once) subtracted for every token of output_ids. Values stay finite."""
+    row = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if p.repetition_penalty != 1 and (len(output_ids) or len(prompt_ids)):
+        seen = torch.unique(torch.tensor([*prompt_ids, *output_ids], dtype=torch.long))
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and len(output_ids):
+        ids, counts = torch.unique(torch.tensor(list(output_ids), dtype=torch.long), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    # a huge logit times a penalty may leave float32: keep the row finite (softmax of +-inf is NaN)
+    limit = torch.finfo(row.dtype).max
+    return row.clamp_(-limit, limit)
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: int) -> int:
-    """One token from a float32 logits row [V]: greedy below MIN_TEMPERATURE, else temperature, top-k and
-    top-p, then the token where uniform(seed, position) falls in the cumulative distribution."""
+    """One token from a float32 logits row [V] (already adjusted, see adjust_logits): greedy below
+    MIN_TEMPERATURE, else temperature, top-k, min-p and top-p, then the token where uniform(seed, position)
+    falls in the cumulative distribution."""
     if p.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
     # relative to the best logit, so the scaled values are <= 0 and never overflow to +inf
@@ -130,6 +273,10 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if p.min_p > 0:
+        # the best token's probability is the largest: relative to it (and renormalised, for top-p)
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+        probs = probs / probs.sum()
     if p.top_p < 1:
         # the nucleus usually lies within the few hundred best tokens: sort those, not a 248k vocabulary
         for k in NUCLEUS_GUESSES:
@@ -161,6 +308,10 @@ class ChunkSampling:
     params: SamplingParams | None = None
     seed: int = 0
     position: int = 0              # how many tokens the sequence has generated before this one
+    # what the penalties need (only set when the params have one, and a token is sampled): the tokens
+    # generated so far, and (repetition_penalty) the prompt's distinct tokens
+    output_ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
 
 
 def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling]) -> list:
@@ -168,7 +319,7 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling]) -> list:
     message when that chunk's sampling raised (a bug or bad numbers: its sequence alone fails, the step
     does not). Greedy chunks without logprobs (the common case) share one argmax over their rows."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
-             and c.params.logprobs is None]
+             and c.params.logprobs is None and not c.params.adjusts_logits]
     best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
     out = []
     for c in chunks:
@@ -188,7 +339,10 @@ def _sample_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
     token = entry = None
     if c.tip is not None:
         row = logits[c.tip]
-        token = sample_token(row, c.params, c.seed, c.position)
-        if c.params.logprobs is not None:
+        adjusted = row
+        if c.params.adjusts_logits:
+            adjusted = adjust_logits(row, c.params, c.output_ids or (), c.prompt_ids or ())
+        token = sample_token(adjusted, c.params, c.seed, c.position)
+        if c.params.logprobs is not None:        # of the raw logits (module doc)
             entry = logprob_entry(torch.log_softmax(row, -1), token, c.params.logprobs)
     return token, entry, prompt

@@ -17,6 +17,8 @@ class Sequence:
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.tokenizer, self.eos_ids, self.context_length = tokenizer, eos_ids, context_length
         self.output_ids: list[int] = []
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self._prompt_set: list[int] | None = None      # the prompt's distinct tokens (repetition_penalty)
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.n_cached = 0                # tokens whose effect is in every stage's cache
@@ -58,6 +60,13 @@ class Sequence:
         not recorded yet (kept from before a recompute), and the next token at the tip. Returns it and the
         batch rows it needs logits of."""
         c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row)
+        if self.params.penalized and start + length == self.n_tokens:
+            # the history travels with the chunk: the last stage keeps no per-sequence state (stages/sampling.py)
+            c.output_ids = list(self.output_ids)
+            if self.params.repetition_penalty != 1:
+                if self._prompt_set is None:
+                    self._prompt_set = sorted(set(self.prompt_ids))
+                c.prompt_ids = self._prompt_set
         rows = []
         if self.prompt_logprobs is not None:
             # row r predicts token start + r + 1; the next one to record is len(prompt_logprobs)
@@ -88,11 +97,14 @@ class Sequence:
             return
         seen = len(self.text)
         self.text += self.detokenizer.add(token)
-        done = len(self.output_ids) >= self.params.max_tokens or self.n_tokens >= self.context_length
+        # a stop token ends the sequence as vLLM's does: it stays in the output, its text too (none if special)
+        stop_token = token in self.stop_ids
+        done = (stop_token or len(self.output_ids) >= self.params.max_tokens
+                or self.n_tokens >= self.context_length)
         if done:
             self.text += self.detokenizer.finish()
         if not self._stopped(seen) and done:
-            self.finish_reason = "length"
+            self.finish_reason = "stop" if stop_token else "length"
 
     def _stopped(self, seen: int) -> bool:
         """Whether a stop string occurs in the text: only text added after `seen` can hold a new one (the

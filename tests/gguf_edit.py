@@ -3,10 +3,11 @@ import gguf
 import numpy as np
 
 
-def rewrite_gguf(src: str, dst: str, *, drop=(), reshape=None, retype=None, set_kv=None):
+def rewrite_gguf(src: str, dst: str, *, drop=(), reshape=None, retype=None, set_kv=None, add_kv=None):
     """Copy src to dst, dropping tensors, giving tensors new shapes (first rows kept / zeros),
-    storing tensors as another ggml type (raw zero bytes of that type), or changing metadata."""
-    reshape, retype, set_kv = reshape or {}, retype or {}, set_kv or {}
+    storing tensors as another ggml type (raw zero bytes of that type), changing metadata, or adding
+    metadata (add_kv: key -> (value, gguf.GGUFValueType))."""
+    reshape, retype, set_kv, add_kv = reshape or {}, retype or {}, set_kv or {}, add_kv or {}
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, set_kv.get("general.architecture", arch))
@@ -16,6 +17,8 @@ def rewrite_gguf(src: str, dst: str, *, drop=(), reshape=None, retype=None, set_
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, set_kv.get(name, field.contents()), vtype, sub_type=sub)
+    for name, (value, vtype) in add_kv.items():
+        writer.add_key_value(name, value, vtype)
     for t in reader.tensors:
         if t.name in drop:
             continue

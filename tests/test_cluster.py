@@ -26,6 +26,11 @@ def requests(vocab: int) -> list:
             req.update(temperature=0.9, top_p=0.9, top_k=20, seed=100 + i)
         else:
             req.update(temperature=0)
+        if i % 4 == 1:      # every control of docs/sampling.md: the penalties' history travels with the batch
+            req.update(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, min_p=0.05,
+                       logit_bias={"7": 2.5, "11": -4}, stop_token_ids=[3])
+        elif i % 4 == 2:    # greedy on penalised logits
+            req.update(repetition_penalty=1.5, frequency_penalty=1.0)
         if i % 3 == 0:
             req.update(logprobs=3, prompt_logprobs=2)
         out.append((f"r{i}", req))

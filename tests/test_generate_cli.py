@@ -73,6 +73,37 @@ def test_sampling_controls(tmp_path):
         assert entry["logprob"] in [lp for _, lp in entry["top"]] or entry["logprob"] <= entry["top"][-1][1]
 
 
+def test_a_line_overrides_the_jobs_sampling_flags(tmp_path, capsys):
+    """The flags set the job's sampling (here greedy with a repetition penalty); each line's own fields
+    override them: penalties, logit_bias, stop_token_ids, min_p. A line with a bad value or with n gets an
+    error naming the field, and the rest of the batch runs."""
+    base = {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 16, "ignore_eos": True}
+    lines = [{**base, "id": "job"},
+             {**base, "id": "plain", "repetition_penalty": 1},
+             {**base, "id": "bias", "temperature": 1.0, "seed": 3, "logit_bias": {"42": 100}},
+             {**base, "id": "stop", "temperature": 1.0, "seed": 3, "logit_bias": {"42": 100}, "stop_token_ids": [42]},
+             {**base, "id": "min_p", "temperature": 1.5, "seed": 4, "min_p": 1.0},   # the best token alone: greedy
+             {**base, "id": "pen", "repetition_penalty": 1, "frequency_penalty": -1, "presence_penalty": -2},
+             {**base, "id": "n", "n": 2},
+             {**base, "id": "bad", "min_p": 2},
+             {**base, "id": "bad_bias", "logit_bias": {"999999": 1}}]
+    out = {r["id"]: r for r in run(tmp_path, lines, "--temperature", "0", "--repetition-penalty", "1.8")}
+    assert out["job"]["token_ids"] != out["plain"]["token_ids"]
+    assert out["bias"]["token_ids"] == [42] * 16
+    assert out["stop"]["token_ids"] == [42] and out["stop"]["finish_reason"] == "stop"
+    assert out["min_p"]["token_ids"] == out["job"]["token_ids"]
+    assert out["pen"]["token_ids"] not in (out["job"]["token_ids"], out["plain"]["token_ids"])
+    assert out["n"]["error"].startswith("n must be 1")
+    assert out["bad"]["error"] == "min_p must be a number in [0, 1], got 2"
+    assert out["bad_bias"]["error"].startswith("logit_bias token id 999999 is outside the vocabulary")
+    assert "9 requests (3 failed)" in capsys.readouterr().err
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps(base) + "\n")
+    assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(tmp_path / "x.jsonl"),
+                          "--presence-penalty", "3"]) == 2
+    assert "bad sampling flag: presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
+
+
 def test_stop_strings(tmp_path):
     first = run(tmp_path, [{"prompt": "Hello", "max_tokens": 16, "temperature": 0}], name="free")[0]
     text = first["text"]

@@ -43,7 +43,10 @@ CASES = [
     dict(prompt="Sampled", max_tokens=12, temperature=0.9, top_p=0.9, top_k=30, seed=7),
     dict(prompt_token_ids=[3, 50, 7, 99], max_tokens=8, temperature=0.7, seed=11, logprobs=2),
     dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=9, temperature=1.0, seed=3),
+    dict(prompt="Penalised", max_tokens=10, temperature=0.8, seed=5, presence_penalty=0.5, frequency_penalty=0.4,
+         repetition_penalty=1.3, min_p=0.05, logit_bias={13: 2.0, 257: -1.0}, stop_token_ids=[2052]),
 ]
+EXTRA = ("top_k", "repetition_penalty", "min_p", "stop_token_ids")
 
 
 def grpc_request(case: dict) -> pb.GenerateRequest:
@@ -56,8 +59,11 @@ def grpc_request(case: dict) -> pb.GenerateRequest:
 
 
 def http_result(http, case: dict) -> dict:
-    kw = {k: case[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in case}
-    extra = {"return_token_ids": True, **({"top_k": case["top_k"]} if "top_k" in case else {})}
+    kw = {k: case[k] for k in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+          if k in case}
+    if "logit_bias" in case:
+        kw["logit_bias"] = {str(t): b for t, b in case["logit_bias"].items()}
+    extra = {"return_token_ids": True, **{k: case[k] for k in EXTRA if k in case}}
     if "messages" in case:
         r = http.chat.completions.create(model=MODEL, messages=case["messages"], extra_body=extra, **kw)
         text = r.choices[0].message.content
@@ -78,7 +84,7 @@ def test_list_models_and_health(stub):
     assert health.healthy and health.status == "ok"
 
 
-@pytest.mark.parametrize("case", CASES, ids=["greedy", "sampled", "token-ids", "chat"])
+@pytest.mark.parametrize("case", CASES, ids=["greedy", "sampled", "token-ids", "chat", "penalised"])
 def test_grpc_equals_http(stub, http, case):
     want = http_result(http, case)
     r = stub.Generate(grpc_request(case))
@@ -113,6 +119,10 @@ def test_grpc_errors(stub):
     assert code_of(lambda: stub.Generate(pb.GenerateRequest()))[0] == grpc.StatusCode.INVALID_ARGUMENT
     code, details = code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(prompt="x", top_p=3))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in details
+    code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(prompt="x", logit_bias={10 ** 6: 1.0})))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("logit_bias token id 1000000")
+    code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(prompt="x", min_p=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("min_p")
     code, _ = code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(model="nope", prompt="x"))))
     assert code == grpc.StatusCode.NOT_FOUND
 

@@ -15,10 +15,12 @@ from protos import raymoe_pb2 as pb
 from deploy.grpc_service import engine_request
 from stages.errors import RequestError
 from stages.requests import sampling_params
-from stages.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams, logprob_entry, sample_token
+from stages.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams, adjust_logits, logprob_entry,
+                             sample_token)
 from stages.sequence import Sequence
 
 CONTEXT = 4096
+VOCAB = 256
 INT64 = st.integers(-2 ** 63, 2 ** 63 - 1)
 FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -29,7 +31,9 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | FLOATS | 
                                                                                        max_size=3),
                            max_leaves=8)
 NUMERIC = {"max_tokens": INT64, "temperature": FLOATS, "top_p": FLOATS, "top_k": INT64, "seed": INT64,
-           "logprobs": INT64}
+           "logprobs": INT64, "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS,
+           "min_p": FLOATS}
+TOKEN_IDS = st.integers(-3, VOCAB + 3)
 
 
 def verdict(call):
@@ -46,11 +50,13 @@ def verdict(call):
 def jsonl(fields):
     """What the coordinator does with a deploy.generate line (flag defaults: the dataclass's)."""
     line = {"prompt_token_ids": [5, 6, 7], **fields}
-    return verdict(lambda: sampling_params(line, SamplingParams(), CONTEXT))
+    return verdict(lambda: sampling_params(line, SamplingParams(), CONTEXT, VOCAB))
 
 
 @given(st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
-                                        "prompt_logprobs", "ignore_eos"]), JSON_VALUES))
+                                        "prompt_logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
+                                        "repetition_penalty", "min_p", "logit_bias", "stop_token_ids", "n"]),
+                       JSON_VALUES))
 @SETTINGS
 def test_any_json_value_is_accepted_or_rejected_with_a_message(fields):
     jsonl(fields)
@@ -60,7 +66,7 @@ def test_any_json_value_is_accepted_or_rejected_with_a_message(fields):
 def serving():
     from stages.loader import open_model
     tok = open_model("tiny-qwen35moe").tokenizer
-    return SimpleNamespace(model_name="tiny", tokenizer=tok, vocab=256, context_length=CONTEXT)
+    return SimpleNamespace(model_name="tiny", tokenizer=tok, vocab=VOCAB, context_length=CONTEXT)
 
 
 def http(fields, serving):
@@ -71,13 +77,13 @@ def http(fields, serving):
     except APIError as e:
         assert e.status == 400
         return e.message
-    return verdict(lambda: sampling_params(p.engine_request, SamplingParams(), CONTEXT))
+    return verdict(lambda: sampling_params(p.engine_request, SamplingParams(), CONTEXT, VOCAB))
 
 
 def grpc(fields, serving):
     """raymoe.Raymoe/Generate: the request as a JSONL line, then the coordinator's validation."""
     request = pb.GenerateRequest(model="tiny", prompt_token_ids=pb.TokenIds(ids=[5, 6, 7]), **fields)
-    return verdict(lambda: sampling_params(engine_request(request, serving), SamplingParams(), CONTEXT))
+    return verdict(lambda: sampling_params(engine_request(request, serving), SamplingParams(), CONTEXT, VOCAB))
 
 
 @given(fields=st.fixed_dictionaries({"max_tokens": NUMERIC["max_tokens"]},
@@ -86,6 +92,18 @@ def grpc(fields, serving):
 def test_numeric_fields_behave_the_same_over_jsonl_http_and_grpc(fields, serving):
     expected = jsonl(fields)
     assert http(fields, serving) == expected
+    assert grpc(fields, serving) == expected
+
+
+@given(bias=st.dictionaries(TOKEN_IDS, FLOATS, max_size=4), stops=st.lists(TOKEN_IDS, max_size=4))
+@SETTINGS
+def test_token_id_fields_behave_the_same_over_jsonl_http_and_grpc(bias, stops, serving):
+    """logit_bias (string keys in JSON, int64 keys in gRPC's map) and stop_token_ids. A gRPC map has no
+    order: its entries are checked in token order, so the lines here list theirs in that order."""
+    bias = dict(sorted(bias.items()))
+    fields = {"max_tokens": 4, "logit_bias": bias, "stop_token_ids": stops}
+    expected = jsonl(fields)
+    assert http({**fields, "logit_bias": {str(k): v for k, v in bias.items()}}, serving) == expected
     assert grpc(fields, serving) == expected
 
 
@@ -103,15 +121,23 @@ VALID = st.builds(
     top_p=st.one_of(st.just(1.0), st.floats(5e-324, 1.0, exclude_min=False)),
     top_k=st.one_of(st.sampled_from([-1, 0, 1]), st.integers(1, 2 ** 63)),
     seed=st.one_of(st.none(), st.integers(0, 2 ** 63 - 1)),
-    logprobs=st.integers(0, MAX_LOGPROBS))
+    logprobs=st.integers(0, MAX_LOGPROBS),
+    min_p=st.one_of(st.just(0.0), st.floats(0, 1)),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.one_of(st.just(1.0), st.floats(0.01, 100)),
+    logit_bias=st.dictionaries(st.integers(0, 39), st.floats(-100, 100), max_size=5))
+HISTORY = st.lists(st.integers(0, 39), max_size=12)
 LOGITS = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
 
-@given(VALID, LOGITS)
+@given(VALID, LOGITS, HISTORY, HISTORY)
 @SETTINGS
-def test_accepted_values_sample_any_finite_logits(params, logits):
-    params.validate(CONTEXT)
-    row = torch.tensor(logits, dtype=torch.float32)
+def test_accepted_values_sample_any_finite_logits(params, logits, output, prompt):
+    params.logit_bias = {t: b for t, b in params.logit_bias.items() if t < len(logits)}
+    params.validate(CONTEXT, len(logits))
+    output, prompt = [t for t in output if t < len(logits)], [t for t in prompt if t < len(logits)]
+    row = adjust_logits(torch.tensor(logits, dtype=torch.float32), params, output, prompt)
+    assert torch.isfinite(row).all()
     token = sample_token(row, params, params.seed or 0, 0)
     assert 0 <= token < len(logits)
     assert row[token] > -math.inf

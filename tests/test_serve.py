@@ -163,6 +163,84 @@ def test_stop_strings_stream_exactly_the_final_text(client):
         assert streamed["text"] == stopped.text and streamed["finish_reason"] == "stop"
 
 
+ALL_FIELDS = dict(temperature=0.9, top_p=0.95, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+                  logit_bias={"13": 2.0, "257": -1.5},
+                  extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2, "stop_token_ids": [2052],
+                              "return_token_ids": True})
+
+
+def test_every_sampling_field_is_accepted_and_n_gives_independent_reproducible_choices(client):
+    """Every sampling field of docs/sampling.md through the openai client. n=2 answers two choices whose
+    usage sums (the prompt counted once); with a seed they are reproducible, and choice 0 is what n=1 gives."""
+    base = dict(model=MODEL, prompt="Hello", max_tokens=8)
+    two = client.completions.create(**base, **ALL_FIELDS, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    ids = [c.model_extra["token_ids"] for c in two.choices]
+    assert ids[0] != ids[1]
+    assert two.usage.completion_tokens == len(ids[0]) + len(ids[1])
+    assert two.usage.prompt_tokens == len(two.choices[0].model_extra["prompt_token_ids"])
+    again = client.completions.create(**base, **ALL_FIELDS, n=2)
+    assert [c.model_extra["token_ids"] for c in again.choices] == ids
+    one = client.completions.create(**base, **ALL_FIELDS)
+    assert len(one.choices) == 1 and one.choices[0].model_extra["token_ids"] == ids[0]
+    assert one.choices[0].text == two.choices[0].text
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, **ALL_FIELDS)
+    whole = client.chat.completions.create(**chat, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    streamed = {}
+    usage = None
+    for chunk in client.chat.completions.create(**chat, n=3, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert usage is None and not chunk.choices
+            usage = chunk.usage
+        for c in chunk.choices:
+            got = streamed.setdefault(c.index, {"text": "", "ids": [], "finish": None})
+            got["text"] += c.delta.content or ""
+            got["ids"] += (c.model_extra or {}).get("token_ids") or []
+            got["finish"] = c.finish_reason or got["finish"]
+    for c in whole.choices:
+        assert streamed[c.index] == {"text": c.message.content, "ids": c.model_extra["token_ids"],
+                                     "finish": c.finish_reason}
+    assert usage.completion_tokens == whole.usage.completion_tokens == sum(
+        len(c.model_extra["token_ids"]) for c in whole.choices)
+
+
+def test_a_client_leaving_a_stream_of_n_choices_frees_them_all(client, server):
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2000, temperature=1.0, n=4,
+                                       stream=True, extra_body={"ignore_eos": True})
+    seen = set()
+    for chunk in stream:
+        seen |= {c.index for c in chunk.choices}
+        if len(seen) == 4:
+            break
+    stream.close()
+    wait_idle(server)
+
+
+def test_logit_bias_and_stop_token_ids_over_http(client):
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=1.0, seed=1,
+                                       logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 5
+    stopped = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=1.0, seed=1,
+                                        logit_bias={"42": 100},
+                                        extra_body={"return_token_ids": True, "stop_token_ids": [42]})
+    assert stopped.choices[0].model_extra["token_ids"] == [42] and stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"), ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"), ({"n": 17}, "n"), ({"n": "2"}, "n")])
+def test_bad_sampling_fields_are_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, **fields)
+    error = info.value.response.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value" and "\n" not in error["message"]
+
+
 def test_text_deltas_hold_back_what_may_change():
     d = TextDeltas(["END"])
     pieces = [d.update("ab"), d.update("E"), d.update("N"), d.update("x"), d.update("é"), d.final("abENxé!")]
@@ -299,7 +377,7 @@ def test_error_statuses(client, server):
     assert e["param"] == "temperature" and e["type"] == "invalid_request_error"
     e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=0), 400)
     assert e["param"] == "max_tokens"
-    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=2), 400)
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=0), 400)
     assert e["param"] == "n"
     e = error_of(lambda: client.completions.create(model=MODEL, prompt=[1, 10 ** 9]), 400)
     assert "vocabulary" in e["message"]
@@ -327,8 +405,10 @@ def test_every_error_has_openai_json_and_a_code(client, server):
 
     e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1), 400)
     assert (e["code"], e["param"]) == ("invalid_value", "temperature")
-    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=2), 400)
-    assert (e["code"], e["param"]) == ("unsupported_parameter", "n")
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", n=1000), 400)
+    assert (e["code"], e["param"]) == ("invalid_value", "n")
+    e = error_of(lambda: client.completions.create(model=MODEL, prompt="x", best_of=2), 400)
+    assert (e["code"], e["param"]) == ("unsupported_parameter", "best_of")
     e = error_of(lambda: client.completions.create(model=MODEL, prompt=[1, 10 ** 9]), 400)
     assert (e["code"], e["param"]) == ("invalid_value", "prompt")
     e = error_of(lambda: client.chat.completions.create(model=MODEL, messages=[]), 400)

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES   # the server's limits, probed here
-from stages.sampling import MAX_STOP_CHARS, MAX_STOPS
+from stages.sampling import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS, MAX_STOPS
 
 RSS_LIMIT = 0.10
 REQUEST_TIMEOUT = 120.0
@@ -149,6 +149,9 @@ class Case:
     drop_in: float | None = None    # not a stream: close the connection after this many seconds
 
 
+NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "repetition_penalty")
+
+
 def _dump(obj) -> bytes:
     return json.dumps(obj).encode()
 
@@ -177,7 +180,7 @@ class Cases:
             (1, lambda r: Case("negative_max_tokens", self._c(max_tokens=-1), {400})),
             (2, lambda r: Case("nan_" + (v := r.choice(["NaN", "Infinity", "-Infinity", "1e999"])),
                                (f'{{"model": {m}, "prompt": "x", "max_tokens": 4, '
-                                f'"{r.choice(["temperature", "top_p", "top_k", "seed"])}": {v}}}').encode(), {400})),
+                                f'"{r.choice(NUMERIC_FIELDS)}": {v}}}').encode(), {400})),
             # overflowing temperatures are treated as greedy or refused: either is an answer
             (1, lambda r: Case("tiny_temperature", self._c(temperature=1e-40), {200, 400})),
             (1, lambda r: Case("body_near_limit", self.near_limit, {400})),
@@ -196,7 +199,9 @@ class Cases:
                                {200}, "/v1/chat/completions")),
             (1, lambda r: Case("token_out_of_range", self._c(prompt=[r.choice([-1, 10 ** 9])]), {400})),
             (1, lambda r: Case("wrong_model", _dump({"model": "no-such-model", "prompt": "x"}), {404})),
-            (1, lambda r: Case("unsupported_n", self._c(n=2), {400})),
+            (1, lambda r: Case("too_many_choices", self._c(n=MAX_N + 1), {400})),
+            (1, lambda r: Case("huge_logit_bias", self._c(logit_bias={str(i): 1 for i in range(
+                r.choice([MAX_LOGIT_BIAS + 1, 50_000]))}), {400})),
             (1, lambda r: Case("too_many_logprobs", self._c(logprobs=100), {400})),
             (1, lambda r: Case("get_on_post", b"", {405}, method="GET")),
             (1, lambda r: Case("no_api_key", self._c(), {401}, auth=None)),
