@@ -20,6 +20,7 @@ import time
 from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
 from stages.errors import RaymoeError, RequestError
+from stages.reasoning import split_result
 from stages.sampling import SamplingParams
 
 
@@ -171,6 +172,7 @@ class StreamingJob:
         self.engine, self.writer, self.defaults, self.window, self.ordered, self.bar = (
             engine, writer, defaults, window, ordered, bar)
         self.in_flight: dict[int, int] = {}     # seq_id -> position
+        self.chats: set[int] = set()            # seq_ids of `messages` lines: their reasoning goes apart
         self.ready: dict[int, dict] = {}        # position -> result waiting for earlier ones (ordered)
         self.lines = 0                          # lines read
         self.read = self.written = 0            # positions taken (lines not skipped), results written
@@ -201,6 +203,9 @@ class StreamingJob:
                     return time.perf_counter() - start
                 continue
             for seq_id, result in self.engine.wait_finished(timeout=1.0):
+                if seq_id in self.chats:
+                    self.chats.discard(seq_id)
+                    result = split_result(result, self.engine.tokenizer)
                 self._emit(self.in_flight.pop(seq_id), result)
 
     def _take(self, line) -> int | None:
@@ -226,11 +231,13 @@ class StreamingJob:
         if not batch:
             return
         outcomes = self.engine.submit_many([(rid, request) for _, (rid, request, _) in batch], self.defaults)
-        for (position, (rid, _, _)), outcome in zip(batch, outcomes):
+        for (position, (rid, request, _)), outcome in zip(batch, outcomes):
             if isinstance(outcome, dict):
                 self._emit(position, {"id": rid, "error": outcome["error"]})
             else:
                 self.in_flight[outcome] = position
+                if "messages" in request:
+                    self.chats.add(outcome)
 
     def _emit(self, position: int, result: dict):
         if not self.ordered:

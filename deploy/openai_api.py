@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from stages.errors import RequestError
+from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText, output_parser, split_answer
 from stages.requests import check_prompt, prompt_ids
 from stages.sampling import SamplingParams
 
@@ -64,6 +65,7 @@ class Prepared:
     echo: bool = False
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
+    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -243,7 +245,8 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     _validate_sampling(request)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
-                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"))
+                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
+                    parser=output_parser(tokenizer, ids))
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -342,9 +345,18 @@ def completion_response(p: Prepared, result: dict, token_text: TokenText, prompt
             "usage": usage(**result["usage"])}
 
 
+def chat_message(p: Prepared, result: dict) -> dict:
+    """The assistant's message: with a reasoning format, the answer as content and the reasoning as
+    reasoning_content (None when there is none); otherwise the whole text as content."""
+    if p.parser is None:
+        return {"role": "assistant", "content": result["text"], REASONING: None}
+    fields = split_answer(p.parser, result["token_ids"], result["text"])
+    return {"role": "assistant", "content": fields[CONTENT], REASONING: fields[REASONING]}
+
+
 def chat_response(p: Prepared, result: dict, token_text: TokenText) -> dict:
     check_result(result)
-    choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
+    choice = {"index": 0, "message": chat_message(p, result),
               "logprobs": chat_logprobs(result["logprobs"], token_text) if p.logprobs is not None else None,
               "finish_reason": result["finish_reason"]}
     if p.return_token_ids:
@@ -406,7 +418,10 @@ class StreamFormatter:
     def __init__(self, p: Prepared, token_text: TokenText, prompt_text: str = ""):
         self.p, self.token_text, self.prompt_text = p, token_text, prompt_text
         stop = p.engine_request.get("stop") or []
-        self.deltas = TextDeltas([stop] if isinstance(stop, str) else stop)
+        stops = [stop] if isinstance(stop, str) else stop
+        self.deltas = TextDeltas(stops)
+        # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py)
+        self.split = SplitText(p.parser, stops) if p.kind == "chat" and p.parser is not None else None
         self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
         self.started = False
 
@@ -452,21 +467,42 @@ class StreamFormatter:
             choice["token_ids"] = list(token_ids)
         return self._chunk(choice)
 
+    def _fields(self, pieces: list[tuple], token_ids: list[int], logprobs_entries) -> list[dict]:
+        """Chat chunks of (field, text) pieces, one per piece; the update's logprobs and token ids go
+        with the last (a chunk of its own, with an empty delta, when the tokens made no text yet)."""
+        lp = self._logprobs(logprobs_entries)
+        choices = [{"delta": {field: text}, "logprobs": None, "finish_reason": None} for field, text in pieces]
+        if not choices and (lp or (self.p.return_token_ids and token_ids)):
+            choices = [{"delta": {}, "logprobs": None, "finish_reason": None}]
+        if choices:
+            choices[-1]["logprobs"] = lp
+            if self.p.return_token_ids:
+                choices[-1]["token_ids"] = list(token_ids)
+        return [self._chunk(choice) for choice in choices]
+
     def update(self, update: dict) -> list[dict]:
         """Chunks for one engine update ({"token_ids", "text_delta", "logprobs"}, maybe "finished")."""
         out = [] if self.started else self.start()
         if "finished" in update:
             result = update["finished"]
             check_result(result)
-            chunk = self._content(self.deltas.final(result["text"]), update["token_ids"], update.get("logprobs"))
-            if chunk:
-                out.append(chunk)
+            if self.split is not None:
+                out += self._fields(self.split.final(update["token_ids"], result["text"]), update["token_ids"],
+                                    update.get("logprobs"))
+            else:
+                chunk = self._content(self.deltas.final(result["text"]), update["token_ids"],
+                                      update.get("logprobs"))
+                if chunk:
+                    out.append(chunk)
             empty = {"delta": {}} if self.p.kind == "chat" else {"text": ""}
             out.append(self._chunk({**empty, "logprobs": None, "finish_reason": result["finish_reason"]}))
             if self.p.include_usage:
                 out.append({"id": self.p.id, "object": out[-1]["object"], "created": self.p.created,
                             "model": self.p.model, "choices": [], "usage": usage(**result["usage"])})
             return out
+        if self.split is not None:
+            return out + self._fields(self.split.update(update["token_ids"]), update["token_ids"],
+                                      update.get("logprobs"))
         chunk = self._content(self.deltas.update(update["text_delta"]), update["token_ids"], update.get("logprobs"))
         if chunk:
             out.append(chunk)

@@ -246,6 +246,11 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     @property
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the special (control) tokens, which decoding with skip_special_tokens drops."""
+        return self._specials
+
+    @property
     def special_tokens_map(self) -> dict[str, str]:
         """bos/eos/pad token texts, the variables transformers hands to chat templates."""
         ids = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id, "pad_token": self.pad_token_id}
