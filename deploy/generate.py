@@ -12,6 +12,7 @@ through Ray Data (deploy/generate_data.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ import time
 
 from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
+from stages.chat import load_chat_template
 from stages.errors import RaymoeError, RequestError
 from stages.reasoning import split_result
 from stages.sampling import SamplingParams
@@ -46,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
-                         "max_model_len", "max_running"])
+                         "max_model_len", "max_running", "chat_template", "chat_template_kwargs"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -118,6 +120,8 @@ def run(args) -> int:
         raise RaymoeError("--window and --replicas must be at least 1")
     engine_args = EngineArgs.from_flags(args)
     engine_args.validate()
+    # read here: Ray Data's replicas may run where the path means nothing
+    engine_args = dataclasses.replace(engine_args, chat_template=load_chat_template(engine_args.chat_template))
     if args.replicas == 1 and args.input_format != "parquet" and local_jsonl(args.input) and local_jsonl(args.output):
         return run_local(args, engine_args, defaults)
     from deploy import generate_data

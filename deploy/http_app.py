@@ -20,6 +20,7 @@ from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_respons
                                models_response, parse_chat, parse_completion, sse)
 from deploy.serving import Generation, ServeArgs, Serving
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
+from stages.chat import load_chat_template
 from stages.errors import RaymoeError
 
 log = logging.getLogger("raymoe.serve")
@@ -270,6 +271,8 @@ def app_builder(args: ServeArgs):
     """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
+    # a template file is read here (the driver), where its path means what the user meant
+    args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template))
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
     return RaymoeServer.bind(dataclasses.asdict(args))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from stages.errors import RequestError
 from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText, output_parser, split_answer
-from stages.requests import check_prompt, prompt_ids
+from stages.requests import chat_prompt, check_prompt, prompt_ids
 from stages.sampling import SamplingParams
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -229,10 +229,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     check_text_size(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), tokenizer,
                     context_length, "messages")
-    try:
-        ids = prompt_ids({"messages": messages}, tokenizer)
-    except RequestError as e:
-        raise APIError(400, str(e), param="messages") from None
+    ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True)
     _check_length(ids, context_length, vocab, "messages")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     # no limit given: generate until the model stops or the context is full (as OpenAI does)
@@ -247,6 +244,39 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
                     include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
                     parser=output_parser(tokenizer, ids))
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """The request's chat_template_kwargs, with OpenAI's `reasoning_effort` as the template variable of
+    that name (gpt-oss's template reads it) unless chat_template_kwargs sets it too."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise APIError(400, f"chat_template_kwargs must be an object, got {type(kwargs).__name__}",
+                       param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    return kwargs
+
+
+def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: bool) -> list[int]:
+    """Token ids of messages through the chat template (with the request's template variables)."""
+    kwargs = _template_kwargs(body)
+    try:
+        prompt = chat_prompt(messages, tokenizer, kwargs, add_generation_prompt=add_generation_prompt)
+    except RequestError as e:
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from None
+    try:
+        return tokenizer.encode(prompt)
+    except RequestError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 # ---- responses ------------------------------------------------------------------------------------
