@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
-                               models_response, parse_chat, parse_completion, sse)
+                               models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse)
 from deploy.serving import Generation, ServeArgs, Serving
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from stages.chat import load_chat_template
@@ -182,6 +182,29 @@ class RaymoeServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._generate("chat", request, parse_chat)
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation request would get them."""
+        return await self._tokenizer_call("tokenize", request, parse_tokenize)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids back to text."""
+        return await self._tokenizer_call("detokenize", request, parse_detokenize)
+
+    async def _tokenizer_call(self, endpoint: str, request: Request, parse):
+        s = self.serving
+        try:
+            if not s.authorized(request.headers.get("authorization")):
+                raise unauthorized()
+            raw = await read_body(request, s.args.max_body_bytes)
+            body = await asyncio.to_thread(s.prepare, raw, parse)     # tokenizing releases the GIL
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        s.metrics.answered(endpoint, 200)
+        return JSONResponse(body)
 
     @api.get("/health")
     async def health(self):

@@ -279,6 +279,61 @@ def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: b
         raise APIError(400, str(e), param="messages") from None
 
 
+def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+    """POST /tokenize (vLLM's): {model, prompt, add_special_tokens} or {model, messages, add_generation_prompt,
+    chat_template_kwargs} -> {count, max_model_len, tokens} (and token_strs with return_token_strs). A
+    prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
+    _common_tokenize(body, served_model)
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise APIError(400, "send exactly one of prompt (text) and messages (a chat)",
+                       param="messages" if has_messages else "prompt")
+    if has_prompt:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise APIError(400, f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+        try:
+            ids = tokenizer.encode(prompt)
+        except RequestError as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
+        if not _bool(body, "add_special_tokens", True) and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
+            ids = ids[1:]
+    else:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        messages = [_message_content(m, i) for i, m in enumerate(messages)]
+        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    out = {"count": len(ids), "max_model_len": context_length, "tokens": ids}
+    if _bool(body, "return_token_strs"):
+        out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+    return out
+
+
+def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+    """POST /detokenize (vLLM's): {model, tokens} -> {prompt}, special tokens written out (so that
+    /tokenize of the text gives the tokens back)."""
+    _common_tokenize(body, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or (tokens and not _all_ints(tokens)):
+        raise APIError(400, "tokens must be a list of token ids (integers)", param="tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None) if tokens else None
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def _common_tokenize(body: dict, served_model: str):
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {model!r}", param="model")
+    if model and model != served_model:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
+                            f"(see GET /v1/models)", param="model", code="model_not_found")
+
+
 # ---- responses ------------------------------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -6,11 +6,11 @@ both over one pipeline (a coordinator and its PP stage actors, optionally expert
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
 HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
-events; reasoning apart from the answer as `reasoning_content`), GET /health, GET /metrics (Prometheus).
-Chat templates: --chat-template FILE replaces the model's, --chat-template-kwargs JSON sets default
-template variables (a request's chat_template_kwargs override them). gRPC (a server of the ingress replica, on the host
+events; reasoning apart from the answer as `reasoning_content`), POST /tokenize and /detokenize (vLLM's),
+GET /health, GET /metrics (Prometheus). docs/chat.md: reasoning, chat templates (--chat-template,
+--chat-template-kwargs, a request's chat_template_kwargs), the request fields accepted. gRPC (a server of the ingress replica, on the host
 HTTP binds): raymoe.Raymoe with Generate, GenerateStream, ListModels, Health. With an API key
-(--api-key or RAYMOE_API_KEY), /v1/* need `Authorization: Bearer KEY` and gRPC calls the same
+(--api-key or RAYMOE_API_KEY), /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` and gRPC calls the same
 metadata; /health and /metrics stay open (they show load, no content) for probes and scrapers.
 
 The app tokenizes prompts itself and submits token ids, so a seeded request gives exactly the

@@ -8,7 +8,7 @@ import pytest
 
 from chat_templates import GPTOSS, QWEN35
 from cluster.engine_args import EngineArgs, add_engine_flags
-from deploy.openai_api import APIError, parse_chat
+from deploy.openai_api import APIError, parse_chat, parse_tokenize
 from stages.chat import MAX_TEMPLATE_KWARGS, check_template_kwargs, load_chat_template, render_chat
 from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
@@ -221,3 +221,13 @@ def test_batch_job_template_flags_and_line_kwargs(tmp_path):
     if "</think>" not in generated:                                # thinking on, no end tag: all reasoning
         assert (results["line"]["reasoning_content"] or "") == generated and results["line"]["text"] == ""
     assert "'tools' is set by the server" in results["bad"]["error"]
+
+
+def test_tokenize_renders_like_chat(gptoss_model):
+    tok = tokenizer(gptoss_model, GPTOSS)
+    cfg = gptoss_model.config
+    body = {"messages": HI, "reasoning_effort": "high"}
+    chat = parse_chat(dict(body), "m", tok, cfg.context_length, cfg.vocab)
+    assert parse_tokenize(dict(body), "m", tok, cfg.context_length, cfg.vocab)["tokens"] == chat.prompt_ids
+    no_gen = parse_tokenize({**body, "add_generation_prompt": False}, "m", tok, cfg.context_length, cfg.vocab)
+    assert chat.prompt_ids[:no_gen["count"]] == no_gen["tokens"] and no_gen["count"] < len(chat.prompt_ids)
