@@ -19,11 +19,48 @@ from stages.sampling import SamplingParams
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 # Every error carries a code (README, "Errors"): the status's default below unless a more precise one
-# is given (context_length_exceeded, unsupported_parameter, invalid_body, json_too_deep, too_many_messages,
-# model_not_found, queue_full, unhealthy).
+# is given (context_length_exceeded, unsupported_parameter, unknown_parameter, invalid_body, json_too_deep,
+# too_many_messages, model_not_found, queue_full, unhealthy).
 ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 500: "internal_error", 503: "unavailable"}
 UNSUPPORTED = "unsupported_parameter"
+UNKNOWN = "unknown_parameter"
+
+# ---- request fields -------------------------------------------------------------------------------
+# One policy for every endpoint (docs/chat.md, "Request fields"): a field the endpoint does not know is
+# refused with a 400 naming it (code unknown_parameter), as OpenAI's own API refuses one, so that a
+# misspelt or unsupported option never passes silently. Each known field is honoured, or refused when
+# set to what this server cannot do (n > 1, tools, logit_bias, ...: code unsupported_parameter), or,
+# for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping, accepted and ignored (and, in a
+# chat, parallel_tool_calls, which only matters with tools, themselves refused).
+IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier"))
+_SAMPLING_FIELDS = frozenset(("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
+                              "presence_penalty", "frequency_penalty", "logit_bias",
+                              # parsed by the sampling parameters' own code (stages/sampling.py)
+                              "min_p", "repetition_penalty", "stop_token_ids"))
+COMPLETION_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
+    "model", "prompt", "stream", "stream_options", "echo", "logprobs", "suffix", "best_of", "return_token_ids"}
+CHAT_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
+    "model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+    "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "return_token_ids",
+    "chat_template_kwargs", "reasoning_effort"}
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+                             "return_token_strs", "chat_template_kwargs", "reasoning_effort"))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+STREAM_OPTIONS_FIELDS = frozenset(("include_usage",))
+
+
+def check_fields(body, known: frozenset, where: str = ""):
+    """400 naming the fields of the JSON object `body` that are not in `known` (a body that is not an
+    object is left to the caller's own check)."""
+    if not isinstance(body, dict):
+        return
+    unknown = [key for key in body if key not in known]
+    if unknown:
+        names = ", ".join(repr(key if len(key) <= 64 else key[:64] + "...") for key in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise APIError(400, f"Unrecognized request argument{'s' * (len(unknown) > 1)} supplied: {where}{names}{more} "
+                            f"(docs/chat.md lists the fields this server takes)", param=unknown[0], code=UNKNOWN)
 
 
 class APIError(Exception):
@@ -110,6 +147,7 @@ def _common(body: dict, served_model: str):
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
+        check_fields(options, STREAM_OPTIONS_FIELDS, "stream_options.")
         include_usage = _bool(options, "include_usage")
     return stream, include_usage
 
@@ -159,6 +197,7 @@ def _validate_sampling(request: dict):
 
 def parse_completion(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
+    check_fields(body, COMPLETION_FIELDS)
     stream, include_usage = _common(body, served_model)
     _unsupported(body, "suffix")
     if body.get("best_of") not in (None, 1):
@@ -216,6 +255,7 @@ def _message_content(message, i: int):
 
 def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
+    check_fields(body, CHAT_FIELDS)
     stream, include_usage = _common(body, served_model)
     for name in ("tools", "functions", "tool_choice", "function_call"):
         _unsupported(body, name, allowed=(None, "none"))
@@ -283,6 +323,7 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
     """POST /tokenize (vLLM's): {model, prompt, add_special_tokens} or {model, messages, add_generation_prompt,
     chat_template_kwargs} -> {count, max_model_len, tokens} (and token_strs with return_token_strs). A
     prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
+    check_fields(body, TOKENIZE_FIELDS)
     _common_tokenize(body, served_model)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
@@ -313,6 +354,7 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
 def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
     """POST /detokenize (vLLM's): {model, tokens} -> {prompt}, special tokens written out (so that
     /tokenize of the text gives the tokens back)."""
+    check_fields(body, DETOKENIZE_FIELDS)
     _common_tokenize(body, served_model)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or (tokens and not _all_ints(tokens)):

@@ -135,3 +135,31 @@ def test_reasoning_fields_streamed_or_not(client):
         assert fields == {"content": whole.content or "", "reasoning_content": whole.model_extra["reasoning_content"] or ""}
         for text in fields.values():
             assert "analysis" not in text and "assistantfinal" not in text
+
+
+def test_unknown_fields_are_refused_by_name_everywhere(server, client):
+    """The request-field policy: a field an endpoint does not know is a 400 naming it (code
+    unknown_parameter); OpenAI's bookkeeping fields are accepted and ignored."""
+    def refused(path, body, param):
+        status, error = post(server + path, body)
+        assert status == 400 and error["error"]["code"] == "unknown_parameter", error
+        assert error["error"]["param"] == param and repr(param) in error["error"]["message"]
+        return error["error"]["message"]
+
+    refused("/v1/chat/completions", {"messages": HI, "max_token": 4}, "max_token")
+    message = refused("/v1/completions", {"prompt": "x", "max_tokens": 2, "temprature": 0, "frobnicate": 1},
+                      "temprature")
+    assert message.startswith("Unrecognized request arguments supplied: 'temprature', 'frobnicate'")
+    refused("/v1/chat/completions", {"messages": HI, "stream": True,
+                                     "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "continuous_usage_stats")
+    refused("/v1/chat/completions", {"messages": HI, "echo": True}, "echo")       # a completions field, not chat's
+    refused("/v1/completions", {"prompt": "x", "messages": HI}, "messages")
+    refused("/tokenize", {"prompt": "x", "add_bos": True}, "add_bos")
+    refused("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, extra_body={"min_tokens": 2})
+    assert e.value.body["code"] == "unknown_parameter" and e.value.body["param"] == "min_tokens"
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, user="u-1", metadata={"a": "b"},
+                                       store=False, service_tier="auto", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -197,6 +197,7 @@ class Cases:
             (1, lambda r: Case("token_out_of_range", self._c(prompt=[r.choice([-1, 10 ** 9])]), {400})),
             (1, lambda r: Case("wrong_model", _dump({"model": "no-such-model", "prompt": "x"}), {404})),
             (1, lambda r: Case("unsupported_n", self._c(n=2), {400})),
+            (1, lambda r: Case("unknown_field", self._c(**{r.choice(["max_token", "temprature", "best"]): 1}), {400})),
             (1, lambda r: Case("too_many_logprobs", self._c(logprobs=100), {400})),
             (1, lambda r: Case("get_on_post", b"", {405}, method="GET")),
             (1, lambda r: Case("no_api_key", self._c(), {401}, auth=None)),
