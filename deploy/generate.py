@@ -4,9 +4,12 @@
 
 Each output line matches its input line, in order (or as they finish, --unordered), written and
 flushed as it finishes, with a bounded number of lines held; a bad line gets {"id", "error"} and the
-rest of the batch still runs. --resume keeps an earlier run's output and generates only the ids it
-lacks. SIGTERM or SIGINT ends the job, keeping the lines written so far, and stops the local Ray
-cluster it started (exit status 128 + the signal number). Parquet, folders, URIs and --replicas go
+rest of the batch still runs. A `messages` line's output has `reasoning_content` beside `text` (then the
+answer alone), split as the server splits chat answers (docs/chat.md); --chat-template and
+--chat-template-kwargs steer the chat template, a line's `chat_template_kwargs` override the latter.
+--resume keeps an earlier run's output and generates only the ids it lacks. SIGTERM or SIGINT ends the
+job, keeping the lines written so far, and stops the local Ray cluster it started (exit status 128 + the
+signal number). Parquet, folders, URIs and --replicas go
 through Ray Data (deploy/generate_data.py).
 """
 from __future__ import annotations
