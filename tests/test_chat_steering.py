@@ -231,3 +231,21 @@ def test_tokenize_renders_like_chat(gptoss_model):
     assert parse_tokenize(dict(body), "m", tok, cfg.context_length, cfg.vocab)["tokens"] == chat.prompt_ids
     no_gen = parse_tokenize({**body, "add_generation_prompt": False}, "m", tok, cfg.context_length, cfg.vocab)
     assert chat.prompt_ids[:no_gen["count"]] == no_gen["tokens"] and no_gen["count"] < len(chat.prompt_ids)
+
+
+def test_serve_flags_reach_the_app_args(tmp_path):
+    """python -m deploy.serve --chat-template FILE --chat-template-kwargs JSON: the app gets the template's text."""
+    from deploy.http_app import app_builder
+    from deploy.serve import parse_args
+    from deploy.serving import ServeArgs
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    args = ServeArgs.from_flags(parse_args(["--model", "tiny-gptoss", "--chat-template", str(f),
+                                            "--chat-template-kwargs", '{"reasoning_effort": "high"}']))
+    assert (args.chat_template, args.chat_template_kwargs) == (str(f), {"reasoning_effort": "high"})
+    app = app_builder(args)
+    bound = app._bound_deployment.init_args[0]
+    assert bound["chat_template"] == "{{ messages[0].content }}"
+    assert bound["chat_template_kwargs"] == {"reasoning_effort": "high"}
+    with pytest.raises(RaymoeError, match="no such file"):
+        app_builder(ServeArgs(model="tiny-gptoss", chat_template=str(tmp_path / "missing")))
