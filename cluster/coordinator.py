@@ -62,6 +62,7 @@ class Coordinator:
         """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory)."""
         args = spec.args
         model = open_model(args.model, args.max_model_len)
+        args.configure_chat(model.tokenizer)
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
                                args.prefill_chunk, args.max_running)
         if spec.cache_budget is not None:

@@ -128,6 +128,7 @@ class ClusterEngine:
         files = open_model(args.model, args.max_model_len)    # config and tokenizer only: fail fast on a bad model
         args.validate(files.n_layers, files.config.n_expert)
         self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
+        args.configure_chat(self.tokenizer)
         spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=f"raymoe-{uuid.uuid4().hex[:8]}")
         connect_ray(args.pp * (1 + args.ep))
         if args.device == "cuda":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 from stages.engine import split_layers
-from stages.errors import RaymoeError
+from stages.chat import check_template_kwargs, load_chat_template
+from stages.errors import RaymoeError, RequestError
 from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
 DEVICES = ("cpu", "cuda")
@@ -40,6 +42,8 @@ class EngineArgs:
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
     stall_timeout: float = STALL_TIMEOUT
+    chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
+    chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)
     fault_injection: dict | None = None      # test hook: see Coordinator._maybe_inject_fault
 
     def __post_init__(self):
@@ -89,6 +93,13 @@ class EngineArgs:
             fail("split", f"{self.split!r} must give --pp {self.pp} layer counts of at least 1")
         if not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
             fail("stall_timeout", f"must be positive, got {self.stall_timeout!r}")
+        if self.chat_template_kwargs is not None:
+            try:
+                check_template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
+            except RequestError as e:
+                raise RaymoeError(str(e)) from None
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            fail("chat_template", f"must be a file name or a template, got {self.chat_template!r}")
         if n_layers is not None:
             try:
                 split_layers(n_layers, self.pp, self.split)
@@ -102,7 +113,24 @@ class EngineArgs:
         anywhere) and the micro-batch groups."""
         self.validate()
         return dataclasses.replace(self.engine_args(), model=os.path.abspath(resolve_model_path(self.model)),
-                                   microbatches=self.microbatches or self.pp)
+                                   microbatches=self.microbatches or self.pp,
+                                   chat_template=load_chat_template(self.chat_template))
+
+    def configure_chat(self, tokenizer):
+        """Give the model's tokenizer the chat template and default template variables of these settings."""
+        if self.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(self.chat_template)
+        tokenizer.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+
+
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def parse_split(text: str) -> list[int]:
@@ -134,6 +162,12 @@ FLAGS = {
                                          "model's if shorter)"),
     "max_running": dict(type=int, help="sequences holding caches at once (default: as many as memory allows, at "
                                        "most 64)"),
+    "chat_template": dict(metavar="FILE", help="a Jinja chat template to use instead of the model's (a file, or the "
+                                               "template itself)"),
+    "chat_template_kwargs": dict(type=parse_json_object, metavar="JSON",
+                                 help='default variables of the chat template, e.g. \'{"enable_thinking": false}\' '
+                                      "(Qwen3.5) or '{\"reasoning_effort\": \"high\"}' (gpt-oss); a request's "
+                                      "chat_template_kwargs override them"),
     "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
                                       "(-1: unbounded)"),
 }

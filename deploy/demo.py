@@ -67,8 +67,9 @@ def main(argv=None) -> int:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in pp2)
     print(f"\n{args.model}, PP=2 (two stage actors on Ray), greedy:")
     for r in pp2:
+        reasoning = f"reasoning {r['reasoning_content']!r}, answer " if r.get("reasoning_content") else ""
         print(f"  [{r['id']}] " + (f"error: {r['error']}" if "error" in r else
-                                   f"{r['text']!r} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"))
+                                   f"{reasoning}{r['text']!r} ({r['finish_reason']}, {len(r['token_ids'])} tokens)"))
     tokens = sum(len(r.get("token_ids", [])) for r in pp2)
     print(f"PP=2: {tokens} tokens generated in {elapsed:.2f} s ({tokens / elapsed:.1f} tok/s, after start-up)")
     same = [a.get("token_ids") for a in pp2] == [b.get("token_ids") for b in pp1]

@@ -4,14 +4,18 @@
 
 Each output line matches its input line, in order (or as they finish, --unordered), written and
 flushed as it finishes, with a bounded number of lines held; a bad line gets {"id", "error"} and the
-rest of the batch still runs. --resume keeps an earlier run's output and generates only the ids it
-lacks. SIGTERM or SIGINT ends the job, keeping the lines written so far, and stops the local Ray
-cluster it started (exit status 128 + the signal number). Parquet, folders, URIs and --replicas go
+rest of the batch still runs. A `messages` line's output has `reasoning_content` beside `text` (then the
+answer alone), split as the server splits chat answers (docs/chat.md); --chat-template and
+--chat-template-kwargs steer the chat template, a line's `chat_template_kwargs` override the latter.
+--resume keeps an earlier run's output and generates only the ids it lacks. SIGTERM or SIGINT ends the
+job, keeping the lines written so far, and stops the local Ray cluster it started (exit status 128 + the
+signal number). Parquet, folders, URIs and --replicas go
 through Ray Data (deploy/generate_data.py).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -19,7 +23,9 @@ import time
 
 from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
+from stages.chat import load_chat_template
 from stages.errors import RaymoeError, RequestError
+from stages.reasoning import split_result
 from stages.sampling import SamplingParams
 
 
@@ -45,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
-                         "max_model_len", "max_running"])
+                         "max_model_len", "max_running", "chat_template", "chat_template_kwargs"])
     # sampling defaults of the job; a line's own values override them, and they override the model's
     # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
     p.add_argument("--max-tokens", type=int, default=None, help="default 64")
@@ -124,6 +130,8 @@ def run(args) -> int:
         raise RaymoeError("--window and --replicas must be at least 1")
     engine_args = EngineArgs.from_flags(args)
     engine_args.validate()
+    # read here: Ray Data's replicas may run where the path means nothing
+    engine_args = dataclasses.replace(engine_args, chat_template=load_chat_template(engine_args.chat_template))
     if args.replicas == 1 and args.input_format != "parquet" and local_jsonl(args.input) and local_jsonl(args.output):
         return run_local(args, engine_args, defaults)
     from deploy import generate_data
@@ -178,6 +186,7 @@ class StreamingJob:
         self.engine, self.writer, self.defaults, self.window, self.ordered, self.bar = (
             engine, writer, defaults, window, ordered, bar)
         self.in_flight: dict[int, int] = {}     # seq_id -> position
+        self.chats: set[int] = set()            # seq_ids of `messages` lines: their reasoning goes apart
         self.ready: dict[int, dict] = {}        # position -> result waiting for earlier ones (ordered)
         self.lines = 0                          # lines read
         self.read = self.written = 0            # positions taken (lines not skipped), results written
@@ -208,6 +217,9 @@ class StreamingJob:
                     return time.perf_counter() - start
                 continue
             for seq_id, result in self.engine.wait_finished(timeout=1.0):
+                if seq_id in self.chats:
+                    self.chats.discard(seq_id)
+                    result = split_result(result, self.engine.tokenizer)
                 self._emit(self.in_flight.pop(seq_id), result)
 
     def _take(self, line) -> int | None:
@@ -233,11 +245,13 @@ class StreamingJob:
         if not batch:
             return
         outcomes = self.engine.submit_many([(rid, request) for _, (rid, request, _) in batch], self.defaults)
-        for (position, (rid, _, _)), outcome in zip(batch, outcomes):
+        for (position, (rid, request, _)), outcome in zip(batch, outcomes):
             if isinstance(outcome, dict):
                 self._emit(position, {"id": rid, "error": outcome["error"]})
             else:
                 self.in_flight[outcome] = position
+                if "messages" in request:
+                    self.chats.add(outcome)
 
     def _emit(self, position: int, result: dict):
         if not self.ordered:

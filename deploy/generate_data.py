@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from deploy.results_file import ResultWriter, id_key, local_jsonl, parse_line
 from stages.errors import RaymoeError
+from stages.reasoning import split_result
 
 # A Parquet output's columns: nested values (logprobs) as their JSON text, the id as text.
-RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "finish_reason", "prompt_tokens",
+RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_content", "finish_reason", "prompt_tokens",
                  "completion_tokens", "logprobs", "prompt_logprobs", "error")
 
 
@@ -160,14 +161,19 @@ class Replica:
             results.append({"id": rid, "error": error} if error else None)
             if error is None:
                 good.append((len(results) - 1, rid, request))
-        in_flight = {}
-        for (i, rid, _), outcome in zip(good, self.engine.submit_many([(r, q) for _, r, q in good], self.defaults)):
+        in_flight, chats = {}, set()
+        for (i, rid, request), outcome in zip(good, self.engine.submit_many([(r, q) for _, r, q in good],
+                                                                             self.defaults)):
             if isinstance(outcome, dict):
                 results[i] = {"id": rid, "error": outcome["error"]}
             else:
                 in_flight[outcome] = i
+                if "messages" in request:
+                    chats.add(outcome)     # its reasoning goes apart from its text
         while in_flight:
             for seq_id, result in self.engine.wait_finished(timeout=1.0):
+                if seq_id in chats:
+                    result = split_result(result, self.engine.tokenizer)
                 results[in_flight.pop(seq_id)] = result
         return pa.table({"result": pa.array([json.dumps(r, ensure_ascii=False) for r in results], pa.string())})
 
@@ -205,7 +211,8 @@ def results_table(table):
         for name in RESULT_FIELDS:
             columns[name].append(values.get(name))
     schema = pa.schema([("id", pa.string()), ("prompt_token_ids", pa.list_(pa.int64())),
-                        ("token_ids", pa.list_(pa.int64())), ("text", pa.string()), ("finish_reason", pa.string()),
+                        ("token_ids", pa.list_(pa.int64())), ("text", pa.string()), ("reasoning_content", pa.string()),
+                        ("finish_reason", pa.string()),
                         ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                         ("logprobs", pa.string()), ("prompt_logprobs", pa.string()), ("error", pa.string())])
     return pa.table(columns, schema=schema)

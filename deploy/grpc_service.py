@@ -16,6 +16,7 @@ import grpc
 
 from deploy.openai_api import APIError, TextDeltas, check_text_size, usage
 from stages.errors import RequestError
+from stages.reasoning import CONTENT, REASONING, SplitText, output_parser, split_answer
 from stages.requests import check_prompt, prompt_ids
 
 from protos import raymoe_pb2 as pb
@@ -77,6 +78,12 @@ async def _abort(grpc_context, e: APIError):
     await grpc_context.abort(code, e.message)
 
 
+def _fields(message: pb.GenerateStreamResponse, pieces: list[tuple]):
+    """A stream message's text (the answer's) and reasoning_content from (field, text) pieces."""
+    message.text = "".join(text for field, text in pieces if field == CONTENT)
+    message.reasoning_content = "".join(text for field, text in pieces if field == REASONING)
+
+
 class RaymoeServicer:
     def __init__(self, serving):
         self.serving = serving
@@ -91,21 +98,26 @@ class RaymoeServicer:
         s = self.serving
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         line = await asyncio.to_thread(engine_request, request, s)     # tokenizing: off the event loop
-        return rid, line, await s.start(rid, line, arrived)
+        # a chat's reasoning goes apart from its answer, as in the HTTP API and the batch job
+        parser = output_parser(s.tokenizer, line["prompt_token_ids"]) if request.HasField("messages") else None
+        return rid, line, parser, await s.start(rid, line, arrived)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         await self._authenticate(grpc_context)
         generation = None
         try:
-            rid, _, generation = await self._start(request)
+            rid, _, parser, generation = await self._start(request)
             result = await generation.result()
             if "error" in result:
                 raise APIError(500, f"generation failed: {result['error']}")
             self.serving.metrics.answered("grpc_generate", 200)
+            fields = (split_answer(parser, result["token_ids"], result["text"]) if parser is not None
+                      else {CONTENT: result["text"], REASONING: None})
             return pb.GenerateResponse(
                 id=rid, model=self.serving.model_name, prompt_token_ids=result["prompt_token_ids"],
-                token_ids=result["token_ids"], text=result["text"], finish_reason=result["finish_reason"],
-                usage=pb.Usage(**usage(**result["usage"])), logprobs=logprobs_pb(result["logprobs"]))
+                token_ids=result["token_ids"], text=fields[CONTENT], finish_reason=result["finish_reason"],
+                usage=pb.Usage(**usage(**result["usage"])), logprobs=logprobs_pb(result["logprobs"]),
+                reasoning_content=fields[REASONING])
         except APIError as e:
             self.serving.metrics.answered("grpc_generate", e.status)
             await _abort(grpc_context, e)
@@ -117,9 +129,10 @@ class RaymoeServicer:
         await self._authenticate(grpc_context)
         generation = None
         try:
-            rid, line, generation = await self._start(request)
+            rid, line, parser, generation = await self._start(request)
             self.serving.metrics.answered("grpc_generate_stream", 200)
             deltas = TextDeltas(list(request.stop))
+            split = SplitText(parser, list(request.stop)) if parser is not None else None
             first = True
             async for update in generation.updates():
                 message = pb.GenerateStreamResponse(id=rid, token_ids=update["token_ids"],
@@ -128,9 +141,14 @@ class RaymoeServicer:
                 if result is not None:
                     if "error" in result:
                         raise APIError(500, f"generation failed: {result['error']}")
-                    message.text = deltas.final(result["text"])
+                    if split is not None:
+                        _fields(message, split.final(update["token_ids"], result["text"]))
+                    else:
+                        message.text = deltas.final(result["text"])
                     message.finish_reason = result["finish_reason"]
                     message.usage.CopyFrom(pb.Usage(**usage(**result["usage"])))
+                elif split is not None:
+                    _fields(message, split.update(update["token_ids"]))
                 else:
                     message.text = deltas.update(update["text_delta"])
                 if first:

@@ -17,9 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
-                               models_response, parse_chat, parse_completion, sse, usage_chunk)
+                               models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
+                               usage_chunk)
 from deploy.serving import Generation, ServeArgs, Serving
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
+from stages.chat import load_chat_template
 from stages.errors import RaymoeError
 
 log = logging.getLogger("raymoe.serve")
@@ -217,6 +219,29 @@ class RaymoeServer:
     async def chat_completions(self, request: Request):
         return await self._generate("chat", request, parse_chat)
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation request would get them."""
+        return await self._tokenizer_call("tokenize", request, parse_tokenize)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids back to text."""
+        return await self._tokenizer_call("detokenize", request, parse_detokenize)
+
+    async def _tokenizer_call(self, endpoint: str, request: Request, parse):
+        s = self.serving
+        try:
+            if not s.authorized(request.headers.get("authorization")):
+                raise unauthorized()
+            raw = await read_body(request, s.args.max_body_bytes)
+            body = await asyncio.to_thread(s.prepare, raw, parse)     # tokenizing releases the GIL
+        except APIError as e:
+            s.metrics.answered(endpoint, e.status)
+            return error_response(e)
+        s.metrics.answered(endpoint, 200)
+        return JSONResponse(body)
+
     @api.get("/health")
     async def health(self):
         try:
@@ -316,6 +341,8 @@ def app_builder(args: ServeArgs):
     """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
+    # a template file is read here (the driver), where its path means what the user meant
+    args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template))
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
     return RaymoeServer.bind(dataclasses.asdict(args))

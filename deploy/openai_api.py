@@ -12,17 +12,54 @@ import uuid
 from dataclasses import dataclass, field
 
 from stages.errors import RequestError
-from stages.requests import check_prompt, prompt_ids
+from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText, output_parser, split_answer
+from stages.requests import chat_prompt, check_prompt
 from stages.sampling import MAX_N, SamplingParams, choice_seed
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 # Every error carries a code (README, "Errors"): the status's default below unless a more precise one
-# is given (context_length_exceeded, unsupported_parameter, invalid_body, json_too_deep, too_many_messages,
-# model_not_found, queue_full, unhealthy).
+# is given (context_length_exceeded, unsupported_parameter, unknown_parameter, invalid_body, json_too_deep,
+# too_many_messages, model_not_found, queue_full, unhealthy).
 ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 500: "internal_error", 503: "unavailable"}
 UNSUPPORTED = "unsupported_parameter"
+UNKNOWN = "unknown_parameter"
+
+# ---- request fields -------------------------------------------------------------------------------
+# One policy for every endpoint (docs/chat.md, "Request fields"): a field the endpoint does not know is
+# refused with a 400 naming it (code unknown_parameter), as OpenAI's own API refuses one, so that a
+# misspelt or unsupported option never passes silently. Each known field is honoured, or refused when
+# set to what this server cannot do (tools, a response_format, ...: code unsupported_parameter), or,
+# for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping, accepted and ignored (and, in a
+# chat, parallel_tool_calls, which only matters with tools, themselves refused).
+IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier"))
+_SAMPLING_FIELDS = frozenset(("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
+                              "presence_penalty", "frequency_penalty", "logit_bias",
+                              "min_p", "repetition_penalty", "stop_token_ids"))
+COMPLETION_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
+    "model", "prompt", "stream", "stream_options", "echo", "logprobs", "suffix", "best_of", "return_token_ids"}
+CHAT_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
+    "model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+    "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "return_token_ids",
+    "chat_template_kwargs", "reasoning_effort"}
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+                             "return_token_strs", "chat_template_kwargs", "reasoning_effort"))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+STREAM_OPTIONS_FIELDS = frozenset(("include_usage",))
+
+
+def check_fields(body, known: frozenset, where: str = ""):
+    """400 naming the fields of the JSON object `body` that are not in `known` (a body that is not an
+    object is left to the caller's own check)."""
+    if not isinstance(body, dict):
+        return
+    unknown = [key for key in body if key not in known]
+    if unknown:
+        names = ", ".join(repr(key if len(key) <= 64 else key[:64] + "...") for key in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise APIError(400, f"Unrecognized request argument{'s' * (len(unknown) > 1)} supplied: {where}{names}{more} "
+                            f"(docs/chat.md lists the fields this server takes)", param=unknown[0], code=UNKNOWN)
 
 
 class APIError(Exception):
@@ -67,6 +104,7 @@ class Prepared:
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
     n: int = 1                         # choices: one engine request each (choice_requests)
+    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def choice_requests(self) -> list[dict]:
@@ -116,6 +154,7 @@ def _common(body: dict, served_model: str):
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
+        check_fields(options, STREAM_OPTIONS_FIELDS, "stream_options.")
         include_usage = _bool(options, "include_usage")
     return stream, include_usage, n
 
@@ -165,6 +204,7 @@ def _validate_sampling(request: dict, vocab: int):
 
 def parse_completion(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
+    check_fields(body, COMPLETION_FIELDS)
     stream, include_usage, n = _common(body, served_model)
     _unsupported(body, "suffix")
     if body.get("best_of") not in (None, 1):
@@ -222,6 +262,7 @@ def _message_content(message, i: int):
 
 def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
+    check_fields(body, CHAT_FIELDS)
     stream, include_usage, n = _common(body, served_model)
     for name in ("tools", "functions", "tool_choice", "function_call"):
         _unsupported(body, name, allowed=(None, "none"))
@@ -235,10 +276,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     check_text_size(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), tokenizer,
                     context_length, "messages")
-    try:
-        ids = prompt_ids({"messages": messages}, tokenizer)
-    except RequestError as e:
-        raise APIError(400, str(e), param="messages") from None
+    ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True)
     _check_length(ids, context_length, vocab, "messages")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     # no limit given: generate until the model stops or the context is full (as OpenAI does)
@@ -252,7 +290,97 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     _validate_sampling(request, vocab)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
                     include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
-                    n=n)
+                    n=n, parser=output_parser(tokenizer, ids))
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """The request's chat_template_kwargs, with OpenAI's `reasoning_effort` as the template variable of
+    that name (gpt-oss's template reads it) unless chat_template_kwargs sets it too."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise APIError(400, f"chat_template_kwargs must be an object, got {type(kwargs).__name__}",
+                       param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    return kwargs
+
+
+def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: bool) -> list[int]:
+    """Token ids of messages through the chat template (with the request's template variables)."""
+    kwargs = _template_kwargs(body)
+    try:
+        prompt = chat_prompt(messages, tokenizer, kwargs, add_generation_prompt=add_generation_prompt)
+    except RequestError as e:
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from None
+    try:
+        return tokenizer.encode(prompt)
+    except RequestError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+    """POST /tokenize (vLLM's): {model, prompt, add_special_tokens} or {model, messages, add_generation_prompt,
+    chat_template_kwargs} -> {count, max_model_len, tokens} (and token_strs with return_token_strs). A
+    prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
+    check_fields(body, TOKENIZE_FIELDS)
+    _common_tokenize(body, served_model)
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise APIError(400, "send exactly one of prompt (text) and messages (a chat)",
+                       param="messages" if has_messages else "prompt")
+    if has_prompt:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise APIError(400, f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+        try:
+            ids = tokenizer.encode(prompt)
+        except RequestError as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
+        if not _bool(body, "add_special_tokens", True) and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
+            ids = ids[1:]
+    else:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        messages = [_message_content(m, i) for i, m in enumerate(messages)]
+        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    out = {"count": len(ids), "max_model_len": context_length, "tokens": ids}
+    if _bool(body, "return_token_strs"):
+        out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+    return out
+
+
+def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+    """POST /detokenize (vLLM's): {model, tokens} -> {prompt}, special tokens written out (so that
+    /tokenize of the text gives the tokens back)."""
+    check_fields(body, DETOKENIZE_FIELDS)
+    _common_tokenize(body, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or (tokens and not _all_ints(tokens)):
+        raise APIError(400, "tokens must be a list of token ids (integers)", param="tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None) if tokens else None
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def _common_tokenize(body: dict, served_model: str):
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {model!r}", param="model")
+    if model and model != served_model:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
+                            f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -362,6 +490,15 @@ def _completion_choice(p: Prepared, index: int, result: dict, token_text: TokenT
     return choice
 
 
+def chat_message(p: Prepared, result: dict) -> dict:
+    """The assistant's message: with a reasoning format, the answer as content and the reasoning as
+    reasoning_content (None when there is none); otherwise the whole text as content."""
+    if p.parser is None:
+        return {"role": "assistant", "content": result["text"], REASONING: None}
+    fields = split_answer(p.parser, result["token_ids"], result["text"])
+    return {"role": "assistant", "content": fields[CONTENT], REASONING: fields[REASONING]}
+
+
 def chat_response(p: Prepared, results: list[dict], token_text: TokenText) -> dict:
     for r in results:
         check_result(r)
@@ -371,7 +508,7 @@ def chat_response(p: Prepared, results: list[dict], token_text: TokenText) -> di
 
 
 def _chat_choice(p: Prepared, index: int, result: dict, token_text: TokenText) -> dict:
-    choice = {"index": index, "message": {"role": "assistant", "content": result["text"]},
+    choice = {"index": index, "message": chat_message(p, result),
               "logprobs": chat_logprobs(result["logprobs"], token_text) if p.logprobs is not None else None,
               "finish_reason": result["finish_reason"]}
     if p.return_token_ids:
@@ -434,7 +571,10 @@ class StreamFormatter:
         self.p, self.token_text, self.prompt_text, self.index = p, token_text, prompt_text, index
         self.result: dict | None = None
         stop = p.engine_request.get("stop") or []
-        self.deltas = TextDeltas([stop] if isinstance(stop, str) else stop)
+        stops = [stop] if isinstance(stop, str) else stop
+        self.deltas = TextDeltas(stops)
+        # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py)
+        self.split = SplitText(p.parser, stops) if p.kind == "chat" and p.parser is not None else None
         self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
         self.started = False
 
@@ -480,20 +620,41 @@ class StreamFormatter:
             choice["token_ids"] = list(token_ids)
         return self._chunk(choice)
 
+    def _fields(self, pieces: list[tuple], token_ids: list[int], logprobs_entries) -> list[dict]:
+        """Chat chunks of (field, text) pieces, one per piece; the update's logprobs and token ids go
+        with the last (a chunk of its own, with an empty delta, when the tokens made no text yet)."""
+        lp = self._logprobs(logprobs_entries)
+        choices = [{"delta": {field: text}, "logprobs": None, "finish_reason": None} for field, text in pieces]
+        if not choices and (lp or (self.p.return_token_ids and token_ids)):
+            choices = [{"delta": {}, "logprobs": None, "finish_reason": None}]
+        if choices:
+            choices[-1]["logprobs"] = lp
+            if self.p.return_token_ids:
+                choices[-1]["token_ids"] = list(token_ids)
+        return [self._chunk(choice) for choice in choices]
+
     def update(self, update: dict) -> list[dict]:
         """Chunks for one engine update ({"token_ids", "text_delta", "logprobs"}, maybe "finished")."""
         out = [] if self.started else self.start()
         if "finished" in update:
             result = self.result = update["finished"]
             check_result(result)
-            chunk = self._content(self.deltas.final(result["text"]), update["token_ids"], update.get("logprobs"))
-            if chunk:
-                out.append(chunk)
+            if self.split is not None:
+                out += self._fields(self.split.final(update["token_ids"], result["text"]), update["token_ids"],
+                                    update.get("logprobs"))
+            else:
+                chunk = self._content(self.deltas.final(result["text"]), update["token_ids"],
+                                      update.get("logprobs"))
+                if chunk:
+                    out.append(chunk)
             empty = {"delta": {}} if self.p.kind == "chat" else {"text": ""}
             out.append(self._chunk({**empty, "logprobs": None, "finish_reason": result["finish_reason"]}))
             if self.p.include_usage and self.p.n == 1:
                 out.append(usage_chunk(self.p, [result]))
             return out
+        if self.split is not None:
+            return out + self._fields(self.split.update(update["token_ids"]), update["token_ids"],
+                                      update.get("logprobs"))
         chunk = self._content(self.deltas.update(update["text_delta"]), update["token_ids"], update.get("logprobs"))
         if chunk:
             out.append(chunk)

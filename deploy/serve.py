@@ -6,9 +6,11 @@ both over one pipeline (a coordinator and its PP stage actors, optionally expert
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
 HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
-events), GET /health, GET /metrics (Prometheus). gRPC (a server of the ingress replica, on the host
+events; reasoning apart from the answer as `reasoning_content`), POST /tokenize and /detokenize (vLLM's),
+GET /health, GET /metrics (Prometheus). docs/chat.md: reasoning, chat templates (--chat-template,
+--chat-template-kwargs, a request's chat_template_kwargs), the request fields accepted. gRPC (a server of the ingress replica, on the host
 HTTP binds): raymoe.Raymoe with Generate, GenerateStream, ListModels, Health. With an API key
-(--api-key or RAYMOE_API_KEY), /v1/* need `Authorization: Bearer KEY` and gRPC calls the same
+(--api-key or RAYMOE_API_KEY), /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` and gRPC calls the same
 metadata; /health and /metrics stay open (they show load, no content) for probes and scrapers.
 
 The app tokenizes prompts itself and submits token ids, so a seeded request gives exactly the
@@ -19,6 +21,7 @@ sequence at once; when more than `max_queued` sequences wait for a cache slot, n
 This module is the command line; the HTTP app is deploy/http_app.py, the serving core deploy/serving.py.
 """
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -42,7 +45,7 @@ def parse_args(argv=None):
     add_engine_flags(p, ["model"])
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
-                         "max_model_len", "max_queued"], ServeArgs)
+                         "max_model_len", "max_queued", "chat_template", "chat_template_kwargs"], ServeArgs)
     p.add_argument("--host", default="127.0.0.1",
                    help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -80,9 +83,12 @@ def main(argv=None) -> int:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     try:                          # fail fast, before starting anything, on a bad setting or model
+        from stages.chat import load_chat_template
         from stages.loader import open_model
         serve_args.validate()
         open_model(args.model)
+        # read here, where the path means what the user meant; the replica gets the template's text
+        serve_args = dataclasses.replace(serve_args, chat_template=load_chat_template(serve_args.chat_template))
     except RaymoeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

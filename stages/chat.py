@@ -6,6 +6,7 @@ with the same helpers transformers provides (and the same guards on `dict` and `
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from datetime import datetime
@@ -16,7 +17,17 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import RequestError
+from .errors import RaymoeError, RequestError
+
+# chat_template_kwargs (per request, or a server's default): extra variables of the template, such as
+# enable_thinking (Qwen3.5) or reasoning_effort (gpt-oss). Bounded: they are rendered on every request.
+MAX_TEMPLATE_KWARGS = 32                 # variables
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024    # as JSON
+# Variables the renderer sets itself (transformers' apply_chat_template takes the same as named
+# arguments), and the helpers it provides.
+RESERVED_TEMPLATE_VARIABLES = frozenset(("messages", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message", "raise_exception", "strftime_now",
+                                         "namespace", "dict"))
 
 
 class _TemplateError(Exception):
@@ -113,6 +124,9 @@ def validate_messages(messages) -> list[dict]:
         # Reasoning arrives under several names; Qwen templates read `reasoning_content`, gpt-oss
         # templates `thinking`. transformers fills both, so do we.
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None and not isinstance(reasoning, str):
+            name = next(key for key in _REASONING_FIELDS if key in message)
+            raise RequestError(f"messages[{i}].{name} must be a string")
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
@@ -157,8 +171,52 @@ class ChatPrompt(str):
         return re.sub(f"\ue000{self._nonce}:(\\d+)\ue001", lambda m: self._literals[int(m.group(1))], text)
 
 
+def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> dict:
+    """kwargs as template variables, or RequestError naming what is wrong: a JSON object of at most
+    MAX_TEMPLATE_KWARGS names (identifiers, none of the renderer's own) and MAX_TEMPLATE_KWARGS_BYTES."""
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"{name} must be an object, got {type(kwargs).__name__}")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"{name} has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are allowed")
+    for key in kwargs:
+        if not (isinstance(key, str) and key.isidentifier() and not key.startswith("_")):
+            raise RequestError(f"{name}: {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise RequestError(f"{name}: {key!r} is set by the server, not by {name}")
+    try:
+        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"{name} must hold JSON values ({_one_line(e)})") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise RequestError(f"{name} is {size} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES} are allowed")
+    return dict(kwargs)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (text with `{{` or `{%`); RaymoeError
+    when neither, or when it does not compile."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RaymoeError(f"--chat-template {value}: cannot read it ({_one_line(e)})") from None
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise RaymoeError(f"--chat-template {value}: no such file (give a Jinja file, or the template itself)")
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise RaymoeError(f"--chat-template: syntax error (line {e.lineno}): {_one_line(e.message)}") from None
+    return template
+
+
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> ChatPrompt:
-    """The prompt text for `messages`. `extra` becomes template variables (e.g. bos_token, enable_thinking)."""
+    """The prompt text for `messages`. `extra` becomes template variables (e.g. bos_token, enable_thinking);
+    `tools` and `documents` are None, as transformers passes them when none are given."""
     if not isinstance(template, str):
         raise RequestError("the model has no chat template")
     messages = validate_messages(messages)

@@ -80,6 +80,7 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.chat_template_kwargs: dict = {}     # a server's default template variables (stages.requests.chat_prompt)
         # Ids may have holes (padded vocabularies), so the size is at least the largest id + 1.
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         if vocab_size is not None:
@@ -244,6 +245,11 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the special (control) tokens, which decoding with skip_special_tokens drops."""
+        return self._specials
 
     @property
     def special_tokens_map(self) -> dict[str, str]:

@@ -27,7 +27,7 @@ def test_output_contract(tmp_path, capsys):
     out = run(tmp_path, reqs, "--temperature", "0")
     assert [r["id"] for r in out] == ["a", 7, 2]
     for r in out:
-        assert set(r) == FIELDS
+        assert set(r) == FIELDS | ({"reasoning_content"} if r["id"] == 2 else set())   # a chat line's reasoning
         assert r["usage"] == {"prompt_tokens": len(r["prompt_token_ids"]), "completion_tokens": len(r["token_ids"])}
         assert r["finish_reason"] in ("stop", "length")
     a = out[0]
@@ -386,4 +386,5 @@ def test_ray_data_parquet_with_replicas(tmp_path):
     for want in local:
         r = by_id[want["id"]]
         assert (r["token_ids"], r["text"], r["finish_reason"]) == (want["token_ids"], want["text"], want["finish_reason"])
+        assert r["reasoning_content"] == want.get("reasoning_content")
         assert r["completion_tokens"] == want["usage"]["completion_tokens"] and r["error"] is None

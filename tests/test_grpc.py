@@ -67,14 +67,15 @@ def http_result(http, case: dict) -> dict:
     if "messages" in case:
         r = http.chat.completions.create(model=MODEL, messages=case["messages"], extra_body=extra, **kw)
         text = r.choices[0].message.content
+        reasoning = r.choices[0].message.model_extra["reasoning_content"]
     else:
         r = http.completions.create(model=MODEL, prompt=case.get("prompt", case.get("prompt_token_ids")),
                                     logprobs=case.get("logprobs"), extra_body=extra, **kw)
-        text = r.choices[0].text
+        text, reasoning = r.choices[0].text, None
     c = r.choices[0]
     return {"token_ids": c.model_extra["token_ids"], "prompt_token_ids": c.model_extra["prompt_token_ids"],
-            "text": text, "finish_reason": c.finish_reason, "completion_tokens": r.usage.completion_tokens,
-            "logprobs": c.logprobs}
+            "text": text, "reasoning": reasoning, "finish_reason": c.finish_reason,
+            "completion_tokens": r.usage.completion_tokens, "logprobs": c.logprobs}
 
 
 def test_list_models_and_health(stub):
@@ -89,6 +90,8 @@ def test_grpc_equals_http(stub, http, case):
     want = http_result(http, case)
     r = stub.Generate(grpc_request(case))
     assert list(r.token_ids) == want["token_ids"] and r.text == want["text"]
+    # a chat's reasoning apart from its answer, as over HTTP
+    assert (r.reasoning_content if r.HasField("reasoning_content") else None) == want["reasoning"]
     assert list(r.prompt_token_ids) == want["prompt_token_ids"] and r.finish_reason == want["finish_reason"]
     assert r.usage.completion_tokens == want["completion_tokens"] == len(r.token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -100,6 +103,7 @@ def test_grpc_equals_http(stub, http, case):
     messages = list(stub.GenerateStream(grpc_request(case)))
     assert [t for m in messages for t in m.token_ids] == want["token_ids"]
     assert "".join(m.text for m in messages) == want["text"]
+    assert "".join(m.reasoning_content for m in messages) == (want["reasoning"] or "")
     assert list(messages[0].prompt_token_ids) == want["prompt_token_ids"]
     assert messages[-1].finish_reason == want["finish_reason"] and not any(m.finish_reason for m in messages[:-1])
     assert messages[-1].usage.completion_tokens == want["completion_tokens"]

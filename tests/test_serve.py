@@ -103,7 +103,7 @@ def text_of(kind, choice) -> str:
 
 
 def collect_stream(kind, stream) -> dict:
-    text, ids, finish, usage, first = "", [], None, None, None
+    text, reasoning, ids, finish, usage, first = "", "", [], None, None, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -112,11 +112,13 @@ def collect_stream(kind, stream) -> dict:
                 if first is None:
                     first = choice.delta.role
                 text += choice.delta.content or ""
+                reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             else:
                 text += choice.text
             ids += (choice.model_extra or {}).get("token_ids") or []
             finish = choice.finish_reason or finish
-    return {"text": text, "token_ids": ids, "finish_reason": finish, "usage": usage, "role": first}
+    return {"text": text, "reasoning": reasoning, "token_ids": ids, "finish_reason": finish, "usage": usage,
+            "role": first}
 
 
 def test_models_and_health(client, server):
@@ -137,6 +139,8 @@ def test_output_equals_deploy_generate_streamed_or_not(client, reference, index)
     assert choice.model_extra["token_ids"] == want["token_ids"]
     assert choice.model_extra["prompt_token_ids"] == want["prompt_token_ids"]
     assert text_of(kind, choice) == want["text"]
+    if kind == "chat":     # the batch job's chat lines split reasoning from the answer as the server does
+        assert choice.message.model_extra["reasoning_content"] == want["reasoning_content"]
     assert choice.finish_reason == want["finish_reason"]
     assert response.usage.prompt_tokens == want["usage"]["prompt_tokens"]
     assert response.usage.completion_tokens == want["usage"]["completion_tokens"]
@@ -149,6 +153,7 @@ def test_output_equals_deploy_generate_streamed_or_not(client, reference, index)
     assert got["usage"].completion_tokens == want["usage"]["completion_tokens"]
     if kind == "chat":
         assert got["role"] == "assistant"
+        assert got["reasoning"] == (want["reasoning_content"] or "")
 
 
 def test_stop_strings_stream_exactly_the_final_text(client):

@@ -202,6 +202,7 @@ class Cases:
             (1, lambda r: Case("too_many_choices", self._c(n=MAX_N + 1), {400})),
             (1, lambda r: Case("huge_logit_bias", self._c(logit_bias={str(i): 1 for i in range(
                 r.choice([MAX_LOGIT_BIAS + 1, 50_000]))}), {400})),
+            (1, lambda r: Case("unknown_field", self._c(**{r.choice(["max_token", "temprature", "best"]): 1}), {400})),
             (1, lambda r: Case("too_many_logprobs", self._c(logprobs=100), {400})),
             (1, lambda r: Case("get_on_post", b"", {405}, method="GET")),
             (1, lambda r: Case("no_api_key", self._c(), {401}, auth=None)),
