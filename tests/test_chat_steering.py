@@ -192,6 +192,7 @@ def test_gptoss_format_and_history_with_reasoning(gptoss_model):
         chat_prompt([*HI, {"role": "assistant", "content": "<|channel|>analysis<|message|>x"}], tok)
 
 
+@pytest.mark.cluster
 def test_batch_job_template_flags_and_line_kwargs(tmp_path):
     """deploy.generate: --chat-template and --chat-template-kwargs reach the coordinator's rendering, a
     line's chat_template_kwargs override them, and a chat line's reasoning goes apart from its text."""

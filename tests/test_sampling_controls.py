@@ -166,6 +166,7 @@ def test_gguf_sampling_keys_give_defaults():
     assert open_model(MODEL).sampling_defaults == {}      # the embedded models give none: the built-in ones apply
 
 
+@pytest.mark.cluster
 def test_defaults_come_from_the_request_then_the_job_then_the_model(tmp_path):
     """A GGUF file with general.sampling.* keys, through the coordinator (in this process, as
     test_engine_faults runs it): a request without sampling fields takes the model's values; the job's

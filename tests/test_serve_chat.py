@@ -13,6 +13,8 @@ from chat_templates import GPTOSS
 from serve_util import free_port
 from stages.loader import open_model
 
+pytestmark = pytest.mark.cluster
+
 MODEL, KEY = "tiny-gptoss", "secret-key"
 HI = [{"role": "user", "content": "Hi"}]
 
