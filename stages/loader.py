@@ -112,7 +112,7 @@ class ModelFiles:
     def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None, pending: list | None = None):
         """A weight matrix (or stack of them) for products, in the form `mode` asks (see MODES); with
         `experts`, only that slice of its leading (expert) dimension. With `pending`, its bytes may
-        still be arriving on return (see gguf_file.finish_reads)."""
+        still be arriving on return (see direct_io.finish_reads)."""
         if mode == "int8":
             t = self.tensor(name, shape, experts)
             return quantize_rows(t) or DenseWeight(t)

@@ -12,8 +12,8 @@ from kernels.threads import loading_threads, torch_threads_for
 from kernels.weights import cat_weights
 
 from .batch import StepBatch, StepContext
+from .direct_io import finish_reads
 from .errors import ModelFormatError
-from .gguf_file import finish_reads
 from .loader import MODES, ModelFiles, mode_device_error
 from .sampling import sample_chunks
 

@@ -8,14 +8,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
-from tools.make_tiny import make_tiny
 from hf_models import run_one
+
 from kernels.weights import BlockWeight, ConcatWeight, DenseWeight
 from stages.errors import ModelFormatError
 from stages.gguf_file import GGUFFile
 from stages.loader import open_model
 from stages.stage import Stage
+from tools.make_tiny import make_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = gguf.GGMLQuantizationType
@@ -103,7 +103,7 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, popu
     by madvise or, where it is refused, by writing them): with the size limit lowered, every tensor
     and an expert slice come back as the file holds them, whatever their offsets, whether read at
     once or left running until finish_reads; a file cut short is refused either way."""
-    import stages.gguf_file as gf
+    import stages.direct_io as gf
     try:
         os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
     except OSError:
@@ -147,7 +147,7 @@ def test_weights_joined_while_their_reads_run_get_the_files_bytes(f32_file, monk
     held back, the model computes exactly what it does read at once."""
     import time
 
-    import stages.gguf_file as gf
+    import stages.direct_io as gf
     try:
         os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
     except OSError:
