@@ -28,6 +28,7 @@ from stages.memory import CacheBudget
 from stages.requests import prompt_ids, sampling_params
 from stages.sampling import SamplingParams
 
+from .outputs import Outputs
 from .pipeline import Pipeline, PipelineSpec
 
 log = logging.getLogger("raymoe.coordinator")
@@ -75,17 +76,12 @@ class Coordinator:
         self.to_release: list[int] = []                 # finished sequences whose stage caches are still held
         self.next_group = 0
         self.wake = asyncio.Event()
-        self.events: dict[int, asyncio.Queue] = {}      # seq_id -> stream of updates
-        self.text_sent: dict[int, int] = {}             # seq_id -> characters of its text streamed so far
-        self.finished: list[dict] = []
-        self.finished_event = asyncio.Event()
+        self.outputs = Outputs()
         self.fault = dict(args.fault_injection or {})
         self.steps = self.restarts = 0                 # restarts: over the coordinator's life (load() shows it)
         self.recent_restarts: deque[float] = deque()    # when each restart of the last RESTART_WINDOW s happened
         self.stats = {"first_token_s": deque(maxlen=100_000), "started": {}}
         self.max_queued = args.max_queued               # None: unbounded
-        self.uncollected: set[int] = set()              # results only streamed, never kept for wait_finished
-        self.streaming: set[int] = set()                # sequences with a stream() reader
         self.loop_task = None
         self.error: str | None = None
         self.stall_timeout = args.stall_timeout
@@ -126,9 +122,7 @@ class Coordinator:
             self.core.finish(seq, "abort")
             raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
                                  f"cache slot; retry later")
-        if not collect:
-            self.uncollected.add(seq.seq_id)
-            self.events[seq.seq_id] = asyncio.Queue()
+        self.outputs.add(seq.seq_id, collect)
         self.stats["started"][seq.seq_id] = time.perf_counter()
         self._ensure_loop()
         self.wake.set()
@@ -158,15 +152,9 @@ class Coordinator:
 
     async def wait_finished(self, timeout: float = 1.0) -> list[tuple[int, dict]]:
         """(seq_id, result) of the sequences finished since the last call (waits up to timeout for one)."""
-        if not self.finished:
-            self.finished_event.clear()
-            try:
-                await asyncio.wait_for(self.finished_event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        if self.error and not self.finished:
+        out = await self.outputs.wait_finished(timeout)
+        if self.error and not out:
             raise RaymoeError(self.error)
-        out, self.finished = self.finished, []
         return out
 
     @ray.method(num_returns="streaming")
@@ -174,24 +162,17 @@ class Coordinator:
         """Updates of one sequence: {"token_ids": [new ids], "logprobs": [...], "text_delta": text added since
         the last update}, the last one with "finished": the final result (whose "text" is the whole text: a
         stop string may have cut what the deltas held)."""
-        queue = self.events.get(seq_id)
-        if queue is None and seq_id in self.core.sequences:     # a batch job's sequence: updates from now on
-            queue = self.events[seq_id] = asyncio.Queue()
+        queue = self.outputs.open_stream(seq_id, running=seq_id in self.core.sequences)
         if queue is None:
             raise RequestError(f"unknown sequence {seq_id}")
-        self.streaming.add(seq_id)
         finished = False
         try:
-            while True:
+            while not finished:
                 update = await queue.get()
+                finished = "finished" in update
                 yield update
-                if "finished" in update:
-                    finished = True
-                    self.events.pop(seq_id, None)
-                    return
         finally:
-            self.streaming.discard(seq_id)
-            if not finished and seq_id in self.uncollected:
+            if self.outputs.close_stream(seq_id, finished):
                 # a server's sequence whose reader went away (Ray cancels this task when the replica's is
                 # cancelled): free it here too, as the replica's own cancel() call may be cancelled with it
                 self._cancel(seq_id)
@@ -345,27 +326,9 @@ class Coordinator:
         self.to_release.extend(s.seq_id for s in finished)
 
     def _publish(self, seq, new_ids, first_index, final=False):
-        queue = self.events.get(seq.seq_id)
-        if queue is None and not final:     # nobody streams it (a batch job's sequence)
-            return
-        update = {"token_ids": list(new_ids), "text_delta": seq.text[self.text_sent.get(seq.seq_id, 0):],
-                  "logprobs": seq.logprobs[first_index:] if seq.logprobs is not None else None}
-        self.text_sent[seq.seq_id] = len(seq.text)
         if final:
-            result = seq.result()
-            update["finished"] = result
             self.stats["started"].pop(seq.seq_id, None)
-            self.text_sent.pop(seq.seq_id, None)
-            if seq.seq_id in self.uncollected:
-                self.uncollected.discard(seq.seq_id)
-                if seq.cancelled and seq.seq_id not in self.streaming:
-                    self.events.pop(seq.seq_id, None)     # its reader went away before it started reading
-                    queue = None
-            else:
-                self.finished.append((seq.seq_id, result))
-                self.finished_event.set()
-        if queue is not None:
-            queue.put_nowait(update)
+        self.outputs.publish(seq, new_ids, first_index, final)
 
     def _finish(self, seq, reason):
         self.core.finish(seq, reason)

@@ -12,8 +12,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from stages.engine import split_layers
 from stages.chat import check_template_kwargs, load_chat_template
+from stages.engine import split_layers
 from stages.errors import RaymoeError, RequestError
 from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
