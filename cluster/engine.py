@@ -7,6 +7,7 @@ requests, stream their tokens, cancel them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -122,29 +123,47 @@ def unwrap(error: Exception) -> Exception:
     return cause if isinstance(cause, RaymoeError) else error
 
 
+COORDINATOR_DIED = ("the coordinator actor died, and with it the state of every request in flight; the job failed "
+                    "(the Ray logs say why)")
+
+
+@contextlib.contextmanager
+def ray_errors(died: str = COORDINATOR_DIED):
+    """Errors of Ray calls as users should read them: a task's RaymoeError as itself (one line), an
+    actor's death as `died`."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as e:
+        raise unwrap(e) from None
+    except ray.exceptions.RayActorError:
+        raise RaymoeError(died) from None
+
+
+def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineSpec:
+    """A pipeline's plan for resolved settings, before any weight is read: checked against the model, on
+    the Ray cluster (joined, or started here), GPUs counted, memory planned (plan_memory)."""
+    args.validate(files.n_layers, files.config.n_expert)
+    spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=name)
+    connect_ray(args.pp * (1 + args.ep))
+    if args.device == "cuda":
+        check_gpus(args)
+    plan_memory(files, spec)
+    return spec
+
+
 class ClusterEngine:
     def __init__(self, args: EngineArgs):
         args = args.resolved()
         files = open_model(args.model, args.max_model_len)    # config and tokenizer only: fail fast on a bad model
-        args.validate(files.n_layers, files.config.n_expert)
         self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
         args.configure_chat(self.tokenizer)
-        spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=f"raymoe-{uuid.uuid4().hex[:8]}")
-        connect_ray(args.pp * (1 + args.ep))
-        if args.device == "cuda":
-            check_gpus(args)
-        plan_memory(files, spec)
+        spec = pipeline_spec(args, files, name=f"raymoe-{uuid.uuid4().hex[:8]}")
         self.coordinator = Coordinator.options(num_cpus=0).remote(spec)
         self._call(show_loading(self.coordinator.start.remote(), spec))
 
     def _call(self, ref, timeout=None):
-        try:
+        with ray_errors():
             return ray.get(ref, timeout=timeout)
-        except ray.exceptions.RayTaskError as e:
-            raise unwrap(e) from None
-        except ray.exceptions.RayActorError:
-            raise RaymoeError("the coordinator actor died, and with it the state of every request in flight; "
-                              "the job failed (the Ray logs say why)") from None
 
     def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request; returns its sequence id. A bad request raises RequestError."""
@@ -169,13 +188,8 @@ class ClusterEngine:
 
     # ---- async API for servers (never blocks the caller's event loop) -------------------------
     async def _acall(self, ref):
-        try:
+        with ray_errors():
             return await ref
-        except ray.exceptions.RayTaskError as e:
-            raise unwrap(e) from None
-        except ray.exceptions.RayActorError:
-            raise RaymoeError("the coordinator actor died, and with it the state of every request in flight; "
-                              "the job failed (the Ray logs say why)") from None
 
     async def submit_async(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request whose result is only read through stream(); raises RequestError for a bad

@@ -128,17 +128,7 @@ def score(logits: torch.Tensor, piece: Piece, result: ModeResult, spill, reading
     result.same_top += int((ref.argmax(-1) == logp.argmax(-1)).sum())
 
 
-def call(make):
-    """make(), with a stage's error as the one-line RaymoeError it carries."""
-    import ray
-
-    from cluster.engine import unwrap
-    try:
-        return make()
-    except ray.exceptions.RayTaskError as e:
-        raise unwrap(e) from None
-    except ray.exceptions.RayActorError as e:
-        raise RaymoeError(f"a stage actor died ({type(e).__name__}); the Ray logs say why") from None
+STAGE_DIED = "a stage actor died; the Ray logs say why"
 
 
 def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits, bar):
@@ -146,24 +136,25 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
     has work) and hand each step's logits to on_logits(logits, piece), in order."""
     import ray
 
-    from cluster.engine import plan_memory
-    from cluster.pipeline import Pipeline, PipelineSpec
+    from cluster.engine import pipeline_spec, ray_errors
+    from cluster.pipeline import Pipeline
 
     window = 2 * args.pp
     # caches for a step's chunk and the chunks of those in flight, each of one chunk's length
     engine_args = EngineArgs.from_flags(args, model=path, dtype=mode, max_model_len=args.ctx,
                                         max_running=min(window, n_chunks), max_batch_tokens=args.batch).resolved()
-    engine_args.validate(files.n_layers, files.config.n_expert)
-    spec = PipelineSpec(engine_args, files.n_layers, files.config.n_expert)
-    plan_memory(files, spec)
+    spec = pipeline_spec(engine_args, files)
     bar.set_description(f"{mode}: loading")
-    pipeline = call(lambda: Pipeline(spec))
+    with ray_errors(STAGE_DIED):
+        pipeline = Pipeline(spec)
     bar.set_description(mode)
     in_flight = deque()
 
     def finish_one():
         piece, ref = in_flight.popleft()
-        on_logits(call(lambda: ray.get(ref)), piece)
+        with ray_errors(STAGE_DIED):
+            logits = ray.get(ref)
+        on_logits(logits, piece)
         if piece.last:
             pipeline.release(piece.batch.seq_ids)
         bar.update(piece.batch.n_tokens)
