@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 
 import ray
 import torch
@@ -89,6 +90,7 @@ class StageActor:
         self.args, self.layers, self.expert_actors = args, range(*layers), expert_actors
         self.stages_here, self.cores = stages_here, node_cores()
         self.threads_used: set[int] = set()          # thread counts steps ran with (stats)
+        self.busy_s = 0.0                            # seconds spent computing steps (stats)
         self.stage = self.group = None
         self.ring_in = self.ring_out = None         # shm transport: rings from the previous / to the next stage
         self.loaded = (0, 0)
@@ -116,16 +118,24 @@ class StageActor:
     def _take_threads(self, batch):
         """Without --threads: this step's share of the node's cores (outputs do not depend on it)."""
         if self.args.threads is None:
-            threads = share_of_cores(self.cores, self.stages_here, batch.computing)
+            work = batch.n_tokens * self.stage.parameter_bytes()
+            threads = share_of_cores(self.cores, self.stages_here, batch.computing, work)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         self.threads_used.add(torch.get_num_threads())
+
+    def _forward(self, batch, hidden):
+        start = time.perf_counter()
+        try:
+            return self.stage.forward(batch, hidden)
+        finally:
+            self.busy_s += time.perf_counter() - start
 
     def forward(self, batch, hidden=None):
         """Object-store transport: the previous stage's output arrives as this call's argument (through
         the host, from a GPU stage)."""
         self._take_threads(batch)
-        out = self.stage.forward(batch, hidden)
+        out = self._forward(batch, hidden)
         return out.cpu() if isinstance(out, torch.Tensor) else out
 
     def fail_next_forward(self):
@@ -167,7 +177,7 @@ class StageActor:
             buf = torch.empty(batch.n_tokens, self.hidden_size, device=self.wire)
             dist.recv(buf.view(torch.uint8), src=rank - 1)
             hidden = buf
-        out = self.stage.forward(batch, hidden)
+        out = self._forward(batch, hidden)
         if rank < world - 1:
             dist.send(out.to(self.wire).contiguous().view(torch.uint8), dst=rank + 1)
             return None
@@ -200,7 +210,7 @@ class StageActor:
         try:
             self._take_threads(batch)
             hidden = self.ring_in.recv() if self.ring_in else None
-            out = self.stage.forward(batch, hidden)
+            out = self._forward(batch, hidden)
             if self.ring_out is None:
                 return out
             self.ring_out.send(out)
@@ -221,6 +231,7 @@ class StageActor:
         return {"layers": [self.stage.layers_range.start, self.stage.layers_range.stop],
                 "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
                 "peak_cache_bytes": self.stage.peak_cache_bytes, "threads_used": sorted(self.threads_used),
+                "busy_s": self.busy_s,
                 "pid": os.getpid()}
 
     def ping(self) -> int:

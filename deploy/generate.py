@@ -171,7 +171,9 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
         writer.close()
     ttft = sorted(stats["first_token_s"])
     ttft_text = f", TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms" if ttft else ""
-    print(job.summary(elapsed) + f"{ttft_text}; pp={args.pp} ep={args.ep} transport={args.transport}",
+    # the share of the job each stage spent computing: the rest is waiting (its turn, Ray, the coordinator)
+    busy = "/".join(f"{100 * min(1.0, s['busy_s'] / max(elapsed, 1e-9)):.0f}%" for s in stats["stages"])
+    print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} transport={args.transport}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

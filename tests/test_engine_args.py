@@ -9,7 +9,7 @@ import pytest
 from cluster.engine_args import EngineArgs
 from cluster.engine_args import TRANSPORTS
 from deploy import generate, perplexity, serve
-from kernels.threads import share_of_cores
+from kernels.threads import PARALLEL_MIN_BYTES, share_of_cores
 from stages.errors import RaymoeError
 from stages.loader import resolve_model_path
 
@@ -92,8 +92,11 @@ def test_resolved_fills_in_what_the_defaults_stand_for():
 @pytest.mark.parametrize("cores, here, computing, threads", [
     (2, 1, 1, 2), (2, 2, 1, 2), (2, 2, 2, 1), (2, 2, 4, 1), (16, 4, 2, 8), (16, 4, 4, 4), (3, 2, 2, 1), (1, 4, 4, 1)])
 def test_stages_computing_at_once_share_the_cores(cores, here, computing, threads):
-    """A stage alone takes every core of its node; stages that compute at once on a node split them."""
+    """A stage alone takes every core of its node; stages that compute at once on a node split them;
+    a step too small to share out takes one."""
     assert share_of_cores(cores, here, computing) == threads
+    assert share_of_cores(cores, here, computing, work_bytes=PARALLEL_MIN_BYTES) == threads
+    assert share_of_cores(cores, here, computing, work_bytes=PARALLEL_MIN_BYTES - 1) == 1
 
 
 def test_the_transports_are_the_pipelines():

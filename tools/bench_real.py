@@ -185,7 +185,7 @@ def bench_llama_cpp(path: str, n_prompt: int, n_decode: int, threads: int) -> di
             "prefill_tok_s": n_prompt / prefill, "decode_tok_s": n_decode / timed(decode), "batch4_tok_s": None}
 
 
-SUMMARY = re.compile(r"(\d+) generated tokens in ([\d.]+) s.*TTFT p50 (\d+) ms")
+SUMMARY = re.compile(r"(\d+) generated tokens in ([\d.]+) s.*TTFT p50 (\d+) ms; stages busy ([\d%/]+)")
 
 
 def bench_generate(path: str, n_decode: int, pp: int) -> dict:
@@ -204,7 +204,8 @@ def bench_generate(path: str, n_decode: int, pp: int) -> dict:
     if proc.returncode or not match:
         raise RuntimeError(f"deploy.generate failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
     tokens, elapsed, ttft = int(match[1]), float(match[2]), int(match[3]) / 1000
-    return {"load_s": wall - elapsed, "decode_tok_s": (tokens - 1) / (elapsed - ttft)}
+    # stages_busy: the share of the job each stage computed; the rest of a PP=1 step is the Ray path's cost
+    return {"load_s": wall - elapsed, "decode_tok_s": (tokens - 1) / (elapsed - ttft), "stages_busy": match[4]}
 
 
 def run_engine(spec: str, quick: bool) -> dict | None:
@@ -270,7 +271,8 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
         rounds = []
         for i in range(repeat):
             rounds.append({engine: run_in_child(engine, path, folder, quick) for engine in ENGINES})
-            print(f"  round {i + 1}: " + ", ".join(
+            busy = {e: r["stages_busy"] for e, r in rounds[-1].items() if isinstance(r, dict) and "stages_busy" in r}
+            print(f"  round {i + 1}: stages busy {busy}; " + ", ".join(
                 f"{e} {r['decode_tok_s']:.2f}" if isinstance(r, dict) else f"{e} ({r})" for e, r in rounds[-1].items())
                 + " decode tok/s", flush=True)
         print(f"{'engine':<15}" + "".join(f"{f:>22}" for f in FIELDS) + f"{'of roofline':>14}")
