@@ -77,7 +77,8 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
         return torch.empty(0, dtype=torch.long, device=x.device), x.new_empty(0, x.shape[1])
     k = ids.shape[1]
     slots = torch.tensor(order, device=x.device)
-    tokens = x if k == 1 else x.index_select(0, torch.tensor([s // k for s in order], device=x.device))
+    rows = [s // k for s in order]      # each slot's token (sorted slots: a copy even when k is 1)
+    tokens = x if rows == list(range(x.shape[0])) else x.index_select(0, torch.tensor(rows, device=x.device))
     h = grouped_linear(tokens, gate_up, groups, gate_up_bias)
     return slots, grouped_linear(activation(h), down, groups, down_bias)
 
