@@ -88,13 +88,18 @@ def _slots(weight, x: Tensor, ids: Tensor) -> Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     flat = ids.reshape(-1).tolist()
     if len(set(flat)) == len(flat):
-        tokens = x if k == 1 else x.repeat_interleave(k, 0)
+        tokens = _per_slot(x, ids)
         return weight.grouped(tokens, [(e, s, s + 1) for s, e in enumerate(flat)], x.new_empty(T * k, weight.shape[-2]))
     order, groups = _plan(ids, range(weight.shape[0]))
     rows = [s // k for s in order]
     tokens = x if rows == list(range(x.shape[0])) else x.index_select(0, torch.tensor(rows))
     products = weight.grouped(tokens, groups, x.new_empty(len(order), weight.shape[-2]))
     return x.new_empty(T * k, weight.shape[-2]).index_copy_(0, torch.tensor(order), products)
+
+
+def _per_slot(x: Tensor, ids: Tensor) -> Tensor:
+    """Row t*k+j = x[t]."""
+    return x if ids.shape[1] == 1 else x.repeat_interleave(ids.shape[1], 0)
 
 
 def _slots_fake(x: Tensor, ids: Tensor, n: int) -> Tensor:
@@ -131,8 +136,9 @@ def dense_slots(x: Tensor, ids: Tensor, w: Tensor, w2: Optional[Tensor]) -> Tens
 
 @dense_slots.register_kernel("cuda")
 def _(x, ids, w, w2):
-    experts, x = ids.reshape(-1), x.repeat_interleave(ids.shape[1], 0)[:, :, None]
-    return torch.cat([torch.bmm(t[experts], x)[..., 0] for t in (w, w2) if t is not None], -1)
+    experts, x = ids.reshape(-1), _per_slot(x, ids)[:, :, None]
+    out = torch.bmm(w[experts], x)[..., 0]
+    return out if w2 is None else torch.cat((out, torch.bmm(w2[experts], x)[..., 0]), -1)
 
 
 @dense_slots.register_fake
@@ -151,7 +157,7 @@ def block_linear(x: Tensor, raw: Tensor, raw2: Optional[Tensor], ggml_type: int,
 @block_linear.register_kernel("cuda")
 def _(x, raw, raw2, ggml_type, k, quantize):
     from .triton import blocks as gpu
-    out, x = x.new_empty(x.shape[0], _rows(raw, raw2)), x.contiguous()
+    out, x = x.new_empty(x.shape[0], _rows(raw, raw2)), x if x.stride(-1) == 1 else x.contiguous()
     for w, columns in _columns(raw, raw2, out):
         gpu.linear(x, w, ggml_type, k, columns)
     return out
@@ -173,8 +179,7 @@ def block_slots(x: Tensor, ids: Tensor, raw: Tensor, raw2: Optional[Tensor], ggm
 @block_slots.register_kernel("cuda")
 def _(x, ids, raw, raw2, ggml_type, k, quantize):
     from .triton import blocks as gpu
-    out = x.new_empty(ids.numel(), _rows(raw, raw2))
-    x, experts = x.repeat_interleave(ids.shape[1], 0).contiguous(), ids.reshape(-1)
+    out, x, experts = x.new_empty(ids.numel(), _rows(raw, raw2)), _per_slot(x, ids).contiguous(), ids.reshape(-1)
     for w, columns in _columns(raw, raw2, out):
         gpu.slot_product(x, w, ggml_type, k, experts, columns)
     return out

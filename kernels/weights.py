@@ -235,6 +235,8 @@ class ConcatWeight:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.pair:       # one op; its CPU implementation takes the one-call path where the library is
             return self.parts[0].product(x, self.parts[1].raw)
+        if not torch.compiler.is_compiling():   # eager: each part's product straight into its columns
+            return self.linear(x, x.new_empty(x.shape[0], self.shape[-2]))
         return torch.cat([part.product(x) for part in self.parts], -1)
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
