@@ -76,7 +76,7 @@ def raymoe_ops(graphs) -> set[str]:
             if n.op == "call_function" and str(n.target).startswith("raymoe.")}
 
 
-@pytest.mark.parametrize("mode", ["float32", "auto"])
+@pytest.mark.parametrize("mode", ["float32", "auto", "int8"])
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_step_traces_whole_and_keeps_every_bit(model, mode):
     """Every layer's decode step compiled with fullgraph=True (no graph break, so no host sync) and run
@@ -88,8 +88,10 @@ def test_decode_step_traces_whole_and_keeps_every_bit(model, mode):
     assert len(compiled) == len(eager)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     # the kernels are in the graph as one call each, the routed experts as slot products
-    expected = {"deltanet_decode", "dense_linear"} if model == "tiny-qwen35moe" else {"block_slots", "dense_linear"}
-    assert expected | {"attention"} <= raymoe_ops(graphs)
+    products = {"int8_linear", "int8_slots"} if mode == "int8" else \
+        {"dense_linear", "dense_slots"} if model == "tiny-qwen35moe" else {"dense_linear", "block_slots"}
+    mixers = {"attention", "deltanet_decode"} if model == "tiny-qwen35moe" else {"attention"}
+    assert products | mixers <= raymoe_ops(graphs)
 
 
 @pytest.mark.slow
