@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import native, ops
 from .gpu_ops import use_triton
 
 # Up to this many query rows (decode), one call of the compiled kernel replaces the dozen torch
@@ -54,15 +54,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 
     Query head h reads KV head h // (Hq / Hkv). A key is visible when k_pos <= q_pos and,
     with a window, k_pos > q_pos - window. On CUDA the Triton kernel (kernels/gpu_ops.py) takes head sizes
-    its tiles fit (a power of two, at least 16).
+    its tiles fit (a power of two, at least 16). That kernel, and the CPU's for a few query rows, run as
+    the custom op raymoe::attention (kernels/ops.py), which torch.compile traces as one call.
     """
     d = q.shape[-1]
-    if use_triton("attention", q) and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0:
-        from .triton.attention import attention as gpu_attention
-        return gpu_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+    triton = use_triton("attention", q) and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0
+    if triton or (not q.is_cuda and q.shape[0] <= FEW_QUERIES):
+        return ops.attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+    return torch_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+
+
+def cpu_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None) -> torch.Tensor:
+    """The CPU's: the compiled kernel for a few query rows, torch's products otherwise."""
     few = _few_rows(q, k, v, q_pos, k_pos, scale, window, sinks)
-    if few is not None:
-        return few
+    return few if few is not None else torch_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+
+
+def torch_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None) -> torch.Tensor:
     tq, hq, d = q.shape
     tk, hkv, dv = v.shape
     group = hq // hkv

@@ -14,7 +14,8 @@ runs the conv, the whole decode step and the chunked form (with numpy's OpenBLAS
 call each; `library()` is None without a compiler (or with RAYMOE_NATIVE=0), and then torch
 computes them (the chunked form also when numpy's BLAS is not scipy-openblas). On CUDA the Triton kernels
 (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head sizes they fit
-(powers of two; the chunked form needs them and the chunk at least 16).
+(powers of two; the chunked form needs them and the chunk at least 16). The kernels are also torch custom
+ops (kernels/ops.py), so that torch.compile traces `GatedDeltaNet.decode_all` whole.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import native, ops
 from .gpu_ops import use_triton
 from .norms import gated_rms_norm
 from .pointwise import sigmoid, silu, softplus
@@ -76,8 +77,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     Returns (y [..., T, C], new_state [..., K-1, C]).
     """
     if use_triton("conv1d", x) and x.dtype == torch.float32:
-        from .triton import deltanet
-        return deltanet.causal_conv1d(x, weight.float(), state.float())
+        return ops.causal_conv1d(x, weight.float(), state.float())
+    return cpu_causal_conv1d(x, weight, state)
+
+
+def cpu_causal_conv1d(x, weight, state):
+    """causal_conv1d without Triton: the compiled kernel where it takes these tensors, else torch (CUDA
+    tensors too)."""
     if x.dim() in (2, 3) and _compiled(x, weight, state):
         return _conv_compiled(x, weight, state)
     kernel = weight.shape[1]
@@ -109,8 +115,12 @@ def delta_rule_step(q, k, v, g, beta, state):
     written twice per token rather than materialising the outer product.
     """
     if _gpu("delta_step", q, v, state):
-        from .triton import deltanet
-        return deltanet.delta_rule_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
+        return ops.delta_rule_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
+    return torch_delta_rule_step(q, k, v, g, beta, state)
+
+
+def torch_delta_rule_step(q, k, v, g, beta, state):
+    """delta_rule_step in torch operations."""
     dk, dv = state.shape[-2:]
     S = state.view(-1, dk, dv)
     decay = g.exp()[..., None]
@@ -224,9 +234,11 @@ class GatedDeltaNet:
     n_v_heads: int
     k_head_dim: int
     v_head_dim: int
+    taps: torch.Tensor | None = None      # conv.t() contiguous [K, C], as the compiled decode step reads them
 
     def __post_init__(self):
-        self.taps = self.conv.t().contiguous()        # [K, C], as the compiled decode step reads them
+        if self.taps is None:
+            self.taps = self.conv.t().contiguous()
 
     def heads(self, mixed: torch.Tensor):
         """Split conv output [n, C] into L2-normalised q, k [n, H_v, dk] and v [n, H_v, dv]."""
@@ -280,12 +292,27 @@ class GatedDeltaNet:
                 raise MemoryError("DeltaNet decode step: out of memory")
             return
         idx = torch.tensor(rows, device=qkv.device)
-        g, beta = self.gates(beta[idx], alpha[idx])
-        mixed, conv = causal_conv1d(qkv[idx][:, None], self.conv, conv_states)
+        out[idx] = self._decode_torch(qkv[idx], z[idx], beta[idx], alpha[idx], conv_states, states)
+
+    def decode_all(self, qkv, z, beta, alpha, conv_states, states) -> torch.Tensor:
+        """decode() of every row, returning the out projection's input [n, H_v * dv]: one custom op
+        (raymoe::deltanet_decode: the compiled step on the CPU, Triton's on CUDA where kernels/gpu_ops.py
+        turns the step on), else torch operations; torch.compile traces either without a break."""
+        triton = use_triton("delta_step", qkv) and use_triton("conv1d", qkv) and \
+            all(n & (n - 1) == 0 for n in (self.k_head_dim, self.v_head_dim))
+        if qkv.is_cuda and not triton:
+            return self._decode_torch(qkv, z, beta, alpha, conv_states, states)
+        return ops.deltanet_decode(qkv, z, beta, alpha, conv_states, states, self.conv, self.taps, self.a,
+                                   self.dt_bias, self.norm, self.eps, self.n_k_heads, self.n_v_heads, self.k_head_dim,
+                                   self.v_head_dim)
+
+    def _decode_torch(self, qkv, z, beta, alpha, conv_states, states) -> torch.Tensor:
+        g, beta = self.gates(beta, alpha)
+        mixed, conv = causal_conv1d(qkv[:, None], self.conv, conv_states)
         conv_states.copy_(conv)
         q, k, v = self.heads(mixed[:, 0])
         y = delta_rule_step(q * self.k_head_dim ** -0.5, k, v.float(), g, beta, states)
-        out[idx] = self.output(y, z[idx])
+        return self.output(y, z)
 
 
 def _same_rows(parts) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .dense import FEW_ROWS, group_table
 from .native import few_rows
 from .weights import join_tensors
@@ -55,6 +56,12 @@ class Int8Weight:
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q,
                                                self.scale.to(torch.bfloat16))
         return out.copy_(y)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int8_linear(x, self.q, self.scale)
+
+    def slot_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.int8_slots(x, ids, self.q, self.scale)
 
     def grouped(self, x: torch.Tensor, groups: list[tuple[int, int, int]], out: torch.Tensor) -> torch.Tensor:
         few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]

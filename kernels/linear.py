@@ -7,9 +7,10 @@ from .weights import as_weight
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x W^T (+ bias)`: x [T, K] float32, w a weight [N, K] -> [T, N], written into `out` when given."""
+    """`x W^T (+ bias)`: x [T, K] float32, w a weight [N, K] -> [T, N], written into `out` when given
+    (otherwise one custom op per product, kernels/ops.py, which torch.compile traces)."""
     w = as_weight(w)
-    y = w.linear(x, out if out is not None else x.new_empty(x.shape[0], w.shape[-2]))
+    y = w.product(x) if out is None else w.linear(x, out)
     return y if bias is None else y.add_(bias)
 
 
@@ -25,11 +26,11 @@ def grouped_linear(x: torch.Tensor, weights, groups: list[tuple[int, int, int]],
     return out
 
 
-def slot_linear(x: torch.Tensor, weights, experts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Row i of x through weights[experts[i]] (and bias[experts[i]]), the ids on the device (CUDA)."""
-    weights = as_weight(weights)
-    out = weights.slots(x, experts, x.new_empty(x.shape[0], weights.shape[-2]))
-    return out if bias is None else out.add_(bias[experts])
+def slot_linear(x: torch.Tensor, weights, ids: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row t*k+j: x[t] through weights[ids[t, j]] (and its bias), for x [T, K] and ids [T, k] left a tensor
+    (no plan on the host in a traced step) -> [T*k, N]."""
+    out = as_weight(weights).slot_product(x, ids)
+    return out if bias is None else out.add_(bias[ids.reshape(-1)])
 
 
 def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:

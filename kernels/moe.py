@@ -1,7 +1,9 @@
 """Mixture-of-experts routing and grouped expert execution.
 
 Tokens are sorted by expert so that each expert runs one matmul over all the tokens
-routed to it; results are scaled by their routing weight and scattered back.
+routed to it; results are scaled by their routing weight and scattered back. A decode step's few
+(token, expert) slots instead go to one custom op per product that takes the expert ids as a tensor
+(kernels/ops.py: no plan on the host in the traced step, the same bits).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import ops
 from .gpu_ops import use_triton
 from .linear import grouped_linear, slot_linear
 from .pointwise import sigmoid, silu
@@ -18,27 +21,35 @@ from .pointwise import sigmoid, silu
 # device (no host synchronisation; an expert chosen by several of them is read once per slot); more are
 # sorted by expert on the host so that each expert's weights are read once.
 GPU_SLOT_PRODUCTS = 16
+# On the CPU, up to this many (a decode step's) also run as slot products: the op sorts them by expert
+# itself (a CPU tensor: no synchronisation), as the plan below does, so the results are the same bits.
+CPU_SLOT_PRODUCTS = 64
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to 1 (Qwen)."""
     if use_triton("routing", logits):
-        from .triton import moe
-        return moe.route_softmax_topk(logits.float(), k, renormalise)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalise:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
+        return ops.route(logits.float(), k, True, renormalise)
+    return torch_route(logits, k, True, renormalise)
 
 
 def route_topk_softmax(logits: torch.Tensor, k: int):
     """Top k of the raw logits, softmax over those k (gpt-oss)."""
     if use_triton("routing", logits):
-        from .triton import moe
-        return moe.route_topk_softmax(logits.float(), k)
-    top, ids = torch.topk(logits.float(), k, dim=-1)
-    return torch.softmax(top, dim=-1), ids
+        return ops.route(logits.float(), k, False, False)
+    return torch_route(logits, k, False, False)
+
+
+def torch_route(logits: torch.Tensor, k: int, softmax_first: bool, renormalise: bool):
+    """Both routers in torch operations (they trace as they are)."""
+    if not softmax_first:
+        top, ids = torch.topk(logits.float(), k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,18 +77,21 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     (all E when None), indexed relative to experts.start. Returns (slots, rows): flat slot
     indices t*k + j and their outputs [n, H]. Slots are sorted by expert, so each expert
     runs one product over its tokens, and the activation runs once over all of them.
+
+    A decode step's slots (all experts here, few slots) run as slot products (kernels/ops.py), the
+    ids left a tensor: then slots is None and rows are every slot's, in slot order.
     """
-    if x.is_cuda and experts is None and ids.numel() <= GPU_SLOT_PRODUCTS:
-        flat = ids.reshape(-1)
-        h = slot_linear(x.repeat_interleave(ids.shape[1], 0), gate_up, flat, gate_up_bias)
-        return torch.arange(flat.numel(), device=x.device), slot_linear(activation(h), down, flat, down_bias)
+    if experts is None and ids.numel() <= (GPU_SLOT_PRODUCTS if x.is_cuda else CPU_SLOT_PRODUCTS):
+        h = slot_linear(x, gate_up, ids, gate_up_bias)
+        return None, slot_linear(activation(h), down, ids.reshape(-1, 1), down_bias)
     experts = experts if experts is not None else range(gate_up.shape[0])
     order, groups = _plan(ids, experts)
     if not order:
         return torch.empty(0, dtype=torch.long, device=x.device), x.new_empty(0, x.shape[1])
     k = ids.shape[1]
     slots = torch.tensor(order, device=x.device)
-    tokens = x if k == 1 else x.index_select(0, torch.tensor([s // k for s in order], device=x.device))
+    rows = [s // k for s in order]      # each slot's token (sorted slots: a copy even when k is 1)
+    tokens = x if rows == list(range(x.shape[0])) else x.index_select(0, torch.tensor(rows, device=x.device))
     h = grouped_linear(tokens, gate_up, groups, gate_up_bias)
     return slots, grouped_linear(activation(h), down, groups, down_bias)
 
@@ -108,13 +122,16 @@ def _plan(ids: torch.Tensor, experts: range) -> tuple[list[int], list[tuple[int,
     return order, groups
 
 
-def combine_slots(slots: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_slots(slots: torch.Tensor | None, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Routing-weighted sum over each token's k slots, always in slot order: the result does not
-    depend on which process computed which expert."""
+    depend on which process computed which expert. slots None: rows holds every slot, in order."""
     T, k = weights.shape
-    # slots are distinct: when every slot has a row, each one is written and none needs zeroing
-    y = rows.new_empty(T * k, rows.shape[-1]) if len(slots) == T * k else rows.new_zeros(T * k, rows.shape[-1])
-    y.index_copy_(0, slots, rows)
+    if slots is None:
+        y = rows
+    else:
+        # slots are distinct: when every slot has a row, each one is written and none needs zeroing
+        y = rows.new_empty(T * k, rows.shape[-1]) if len(slots) == T * k else rows.new_zeros(T * k, rows.shape[-1])
+        y.index_copy_(0, slots, rows)
     return y.view(T, k, -1).mul_(weights[..., None].to(y.dtype)).sum(1)
 
 

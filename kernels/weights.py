@@ -5,8 +5,9 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
 - `linear(x, out)`: `out = x W^T` for x [T, K] and a weight [N, K];
 - `grouped(x, groups, out)`: rows a:b of x through weight g, for each (g, a, b), of a stack [G, N, K]
   (the tokens of each expert);
-- `slots(x, experts, out)` (CUDA only): row i of x through weight experts[i] of a stack, the expert ids
-  on the device (no host synchronisation);
+- `product(x)` and `slot_product(x, ids)`: `linear` into a new tensor, and row t*k+j = x[t] through weight
+  ids[t, j] of a stack, as one custom op each (kernels/ops.py): tensors in and out, the expert ids left a
+  tensor, so that torch.compile traces a decode step without host synchronisation;
 - `rows(ids)`: embedding rows as float32;
 - `w[a:b]`: a slice of the leading dimension (the experts an expert actor holds);
 - `shape`, `nbytes`, `dequantize()`;
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import blocks
+from . import blocks, ops
 from .dense import FEW_ROWS, dense_grouped, dense_linear
 
 F32, F16, BF16, MXFP4 = 0, 1, 30, 39
@@ -61,8 +62,11 @@ class DenseWeight:
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return dense_grouped(x, self.t, groups, out)
 
-    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(torch.bmm(self.t[experts], x[:, :, None])[..., 0])
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.dense_linear(x, self.t)
+
+    def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "DenseWeight | None" = None) -> torch.Tensor:
+        return ops.dense_slots(x, ids, self.t, None if second is None else second.t)
 
     def same_format(self, other) -> bool:
         return True
@@ -115,9 +119,12 @@ class BlockWeight:
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.raw, groups, out)
 
-    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        from .triton import blocks as gpu_blocks
-        return gpu_blocks.slot_product(x.contiguous(), self.raw, self.type, self.k, experts, out)
+    def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.block_linear(x, self.raw, raw2, self.type, self.k, self.quantize_activations)
+
+    def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
+        return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.type, self.k,
+                               self.quantize_activations)
 
     def _product(self, x, raw, groups, out, raw2=None):
         """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call).
@@ -225,10 +232,19 @@ class ConcatWeight:
             part.grouped(x, groups, columns)
         return out
 
-    def slots(self, x: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        for part, columns in self._columns(out):
-            part.slots(x, experts, columns)
-        return out
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pair:       # one op; its CPU implementation takes the one-call path where the library is
+            return self.parts[0].product(x, self.parts[1].raw)
+        if not torch.compiler.is_compiling():   # eager: each part's product straight into its columns
+            return self.linear(x, x.new_empty(x.shape[0], self.shape[-2]))
+        return torch.cat([part.product(x) for part in self.parts], -1)
+
+    def slot_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        parts = self.parts
+        if len(parts) == 2 and type(parts[0]) in (DenseWeight, BlockWeight) and type(parts[1]) is type(parts[0]) \
+                and parts[0].same_format(parts[1]):     # two expert stacks of one kind: one op, one plan of slots
+            return parts[0].slot_product(x, ids, parts[1])
+        return torch.cat([part.slot_product(x, ids) for part in self.parts], -1)
 
 
 def as_weight(w):

@@ -61,10 +61,53 @@ class Attention:
         return KVCache(window=self.window, max_len=self.max_len)
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+        q, k, v, gate = self._heads(x, *self._rope(ctx))
+        out = torch.empty_like(q)
+        for sid, rows, _ in ctx.batch.segments():
+            cache = ctx.caches[sid][layer]
+            keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
+            out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, self.spec.head_dim ** -0.5,
+                                  window=self.window, sinks=self.sinks)
+            cache.trim()       # sliding layers keep at most twice the `window` positions
+        return self._output(out, gate)
+
+    def decode_inputs(self, ctx, layer: int):
+        """A decode step's host part: the positions, the RoPE table, and each sequence's keys, values and
+        positions with a row more (decode writes it)."""
+        s, device = self.spec, ctx.positions.device
+        kv = [ctx.caches[sid][layer].reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device)
+              for sid in ctx.batch.seq_ids]
+        return ctx.positions, *self._rope(ctx), kv
+
+    def decode(self, x: torch.Tensor, inputs) -> torch.Tensor:
+        """One token of each sequence (row i is sequence i's), inputs from decode_inputs."""
+        positions, cos, sin, kv = inputs
+        q, k, v, gate = self._heads(x, cos, sin)
+        out = []
+        for i, (keys, values, k_pos) in enumerate(kv):
+            keys[-1], values[-1], k_pos[-1] = k[i], v[i], positions[i]
+            out.append(attention(q[i:i + 1], keys, values, positions[i:i + 1], k_pos, self.spec.head_dim ** -0.5,
+                                 window=self.window, sinks=self.sinks))
+        return self._output(out[0] if len(out) == 1 else torch.cat(out), gate)
+
+    def decode_done(self, ctx, layer: int) -> None:
+        for sid in ctx.batch.seq_ids:
+            ctx.caches[sid][layer].trim()
+
+    def _rope(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        # one table per step, shared by every layer (the parameters are the model's, not the layer's)
+        if "rope" not in ctx.memo:
+            inv_freq, scale = self.rope
+            ctx.memo["rope"] = rope_cos_sin(ctx.positions, inv_freq.to(ctx.positions.device), scale)
+        return ctx.memo["rope"]
+
+    def _heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [T, H, D] and k, v [T, Hkv, D] after the norms and RoPE, and the output gate (or None)."""
         s, T = self.spec, x.shape[0]
         q_dim, kv_dim = (2 if s.output_gate else 1) * s.n_head * s.head_dim, s.n_kv_head * s.head_dim
         q, k, v = linear(x, self.qkv, self.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
         k, v = k.reshape(T, s.n_kv_head, s.head_dim), v.reshape(T, s.n_kv_head, s.head_dim)
+        gate = None
         if s.output_gate:
             q = q.reshape(T, s.n_head, 2 * s.head_dim)
             q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(T, -1)
@@ -72,20 +115,10 @@ class Attention:
             q = q.reshape(T, s.n_head, s.head_dim)
         if s.qk_norm:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        # one table per step, shared by every layer (the parameters are the model's, not the layer's)
-        if "rope" not in ctx.memo:
-            inv_freq, scale = self.rope
-            ctx.memo["rope"] = rope_cos_sin(ctx.positions, inv_freq.to(ctx.positions.device), scale)
-        cos, sin = ctx.memo["rope"]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = torch.empty_like(q)
-        for sid, rows, _ in ctx.batch.segments():
-            cache = ctx.caches[sid][layer]
-            keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
-            out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, s.head_dim ** -0.5,
-                                  window=self.window, sinks=self.sinks)
-            cache.trim()       # sliding layers keep at most twice the `window` positions
-        out = out.reshape(T, -1)
-        if s.output_gate:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        out = out.reshape(out.shape[0], -1)
+        if gate is not None:
             out = out * sigmoid(gate)
         return linear(out, self.o, self.o_bias)

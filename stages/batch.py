@@ -23,6 +23,11 @@ class StepBatch:
     def n_tokens(self) -> int:
         return sum(self.lengths)
 
+    @property
+    def decoding(self) -> bool:
+        """One token of every sequence: each layer runs its decode step (stages/family.py Block.decode)."""
+        return bool(self.lengths) and all(n == 1 for n in self.lengths)
+
     def segments(self):
         """(seq_id, slice of flat rows, start position) for each chunk."""
         row = 0

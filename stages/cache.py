@@ -19,20 +19,25 @@ class KVCache:
     def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """Append k/v [n, H, D] at positions pos [n]; returns all keys, values and positions held."""
         n = k.shape[0]
+        keys, values, positions = self.reserve(n, k.shape[1:], k.dtype, k.device)
+        keys[self.length - n:], values[self.length - n:], positions[self.length - n:] = k, v, pos
+        return keys, values, positions
+
+    def reserve(self, n: int, head_shape, dtype, device):
+        """Room for n more positions, left for the caller to fill: returns every key, value and position
+        held, the last n rows the new ones (a decode step writes them in its traced part)."""
         if self.k is None:
             cap = max(n, 16)
-            self.k = k.new_empty((cap,) + k.shape[1:])
-            self.v = v.new_empty((cap,) + v.shape[1:])
-            self.pos = torch.empty(cap, dtype=torch.long, device=k.device)
+            self.k = torch.empty((cap, *head_shape), dtype=dtype, device=device)
+            self.v = torch.empty((cap, *head_shape), dtype=dtype, device=device)
+            self.pos = torch.empty(cap, dtype=torch.long, device=device)
         elif self.length + n > self.k.shape[0]:
             cap = max(self.length + n, 2 * self.k.shape[0])
             if self.max_len:
                 cap = max(self.length + n, min(cap, self.max_len))
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
-        end = self.length + n
-        self.k[self.length:end], self.v[self.length:end], self.pos[self.length:end] = k, v, pos
-        self.length = end
-        return self.k[:end], self.v[:end], self.pos[:end]
+        self.length += n
+        return self.k[:self.length], self.v[:self.length], self.pos[:self.length]
 
     def _grow(self, t: torch.Tensor, cap: int) -> torch.Tensor:
         out = t.new_empty((cap,) + t.shape[1:])

@@ -71,7 +71,11 @@ def global_tensor_shapes(cfg: ModelConfig) -> dict:
 
 
 class Block:
-    """`h = x + mixer(norm(x)); out = h + ffn(post_norm(h))` for layer `index`."""
+    """`h = x + mixer(norm(x)); out = h + ffn(post_norm(h))` for layer `index`.
+
+    A decode step (one token of each sequence) runs in three parts: the mixer's host bookkeeping
+    (`decode_inputs`: caches as tensors), `decode` (tensors in and out, no host synchronisation: what
+    torch.compile can trace whole) and the bookkeeping after (`decode_done`)."""
 
     def __init__(self, w, index: int, eps: float, mixer, ffn):
         self.index, self.eps = index, eps
@@ -87,5 +91,14 @@ class Block:
         return self.mixer.new_cache()
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if ctx.batch.decoding:
+            x = self.decode(x, self.mixer.decode_inputs(ctx, self.index))
+            self.mixer.decode_done(ctx, self.index)
+            return x
         h = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), ctx, self.index)
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+    def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
+        """One token of each of x's rows, caches what the mixer's decode_inputs gave (updated in place)."""
+        h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))

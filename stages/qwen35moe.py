@@ -169,7 +169,7 @@ class DeltaNetMixer:
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         c, net = self.cfg, self.net
-        qkv, z, beta, alpha = linear(x, self.inputs).split([c.conv_dim, c.value_dim, c.n_v_heads, c.n_v_heads], dim=-1)
+        qkv, z, beta, alpha = self._projections(x)
         y = torch.empty(x.shape[0], c.value_dim, device=x.device)       # the out projection's input
         singles = []
         for sid, rows, _ in ctx.batch.segments():
@@ -188,6 +188,22 @@ class DeltaNetMixer:
             conv, state = self._stacked_caches([cache for _, cache in singles])
             net.decode(qkv, z, beta, alpha, [row for row, _ in singles], conv, state, y)
         return linear(y, self.out)
+
+    def decode_inputs(self, ctx, layer: int):
+        """A decode step's host part: the sequences' caches stacked, (conv [n, K-1, C], state [n, H, dk, dv])."""
+        return self._stacked_caches([ctx.caches[sid][layer] for sid in ctx.batch.seq_ids])
+
+    def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
+        """One token of each sequence (row i is sequence i's); the stacked caches are updated in place."""
+        return linear(self.net.decode_all(*self._projections(x), *caches), self.out)
+
+    def decode_done(self, ctx, layer: int) -> None:
+        pass
+
+    def _projections(self, x: torch.Tensor):
+        """qkv [T, C], z [T, H_v * dv], beta and alpha [T, H_v]: column slices of one product."""
+        c = self.cfg
+        return linear(x, self.inputs).split([c.conv_dim, c.value_dim, c.n_v_heads, c.n_v_heads], dim=-1)
 
     @staticmethod
     def _stacked_caches(caches) -> tuple[torch.Tensor, torch.Tensor]:

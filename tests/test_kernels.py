@@ -164,6 +164,18 @@ def test_moe_grouped_experts_and_expert_slices():
     assert torch.allclose(one, full[3:4], atol=1e-6)
 
 
+def test_moe_top_one_routing_takes_each_tokens_own_expert():
+    """k = 1: the slots sorted by expert are tokens out of order, and each still meets its own expert."""
+    g = torch.Generator().manual_seed(4)
+    T, H, Fe, E = 5, 8, 6, 4
+    x = torch.randn(T, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * Fe, H, generator=g), torch.randn(E, H, Fe, generator=g)
+    ids, weights = torch.tensor([[3], [1], [2], [0], [1]]), torch.rand(T, 1, generator=g)
+    ref = torch.stack([weights[t, 0] * (down[ids[t, 0]] @ (F.silu(gu[:Fe]) * gu[Fe:]))
+                       for t in range(T) for gu in [gate_up[ids[t, 0]] @ x[t]]])
+    assert torch.allclose(run_experts(x, weights, ids, gate_up, down), ref, atol=1e-5)
+
+
 def test_int8_rows_quantise_and_multiply_within_their_error():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(3, 40, 64, generator=g) * torch.rand(3, 40, 1, generator=g)     # rows of different ranges
