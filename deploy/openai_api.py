@@ -104,7 +104,8 @@ class Prepared:
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
     n: int = 1                         # choices: one engine request each (choice_requests)
-    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py)
+    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py); each
+                                        # choice's answer goes through a fresh() one
     created: int = field(default_factory=lambda: int(time.time()))
 
     def choice_requests(self) -> list[dict]:
@@ -495,7 +496,7 @@ def chat_message(p: Prepared, result: dict) -> dict:
     reasoning_content (None when there is none); otherwise the whole text as content."""
     if p.parser is None:
         return {"role": "assistant", "content": result["text"], REASONING: None}
-    fields = split_answer(p.parser, result["token_ids"], result["text"])
+    fields = split_answer(p.parser.fresh(), result["token_ids"], result["text"])
     return {"role": "assistant", "content": fields[CONTENT], REASONING: fields[REASONING]}
 
 
@@ -574,7 +575,7 @@ class StreamFormatter:
         stops = [stop] if isinstance(stop, str) else stop
         self.deltas = TextDeltas(stops)
         # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py)
-        self.split = SplitText(p.parser, stops) if p.kind == "chat" and p.parser is not None else None
+        self.split = SplitText(p.parser.fresh(), stops) if p.kind == "chat" and p.parser is not None else None
         self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
         self.started = False
 

@@ -67,10 +67,17 @@ class _Runs:
 
 class OutputParser:
     """The output of one chat sequence as (field, text) pieces, in order; the texts of all pieces,
-    hidden ones too, concatenate to the output's decoded text (special tokens decode to nothing)."""
+    hidden ones too, concatenate to the output's decoded text (special tokens decode to nothing).
+    A parser holds the state of one output: `fresh()` gives another for the next output of the same
+    prompt (a request's other choices)."""
 
     def __init__(self, tokenizer):
         self.runs = _Runs(tokenizer)
+        self._args = (tokenizer,)
+
+    def fresh(self) -> "OutputParser":
+        """A parser of the same prompt and format, at the start of an output."""
+        return type(self)(*self._args)
 
     def feed(self, token_ids) -> list[tuple]:
         out = []
@@ -99,6 +106,7 @@ class ThinkParser(OutputParser):
 
     def __init__(self, tokenizer, prompt_ids: list[int], start: int, end: int, turn_starts: set[int]):
         super().__init__(tokenizer)
+        self._args = (tokenizer, prompt_ids, start, end, turn_starts)
         self.start, self.end = start, end
         last = _last_index(prompt_ids, {start, end, *turn_starts})
         self.field = REASONING if last >= 0 and prompt_ids[last] == start else CONTENT
@@ -118,6 +126,7 @@ class HarmonyParser(OutputParser):
 
     def __init__(self, tokenizer, prompt_ids: list[int], specials: dict[str, int]):
         super().__init__(tokenizer)
+        self._args = (tokenizer, prompt_ids, specials)
         self.tokenizer = tokenizer
         self.start, self.message, self.channel = specials["<|start|>"], specials["<|message|>"], specials["<|channel|>"]
         self.ends = {specials[name] for name in ("<|end|>", "<|return|>", "<|call|>") if name in specials}
