@@ -451,3 +451,16 @@ def test_tool_request_is_frozen():
     r = ToolRequest((NOW,))
     with pytest.raises(Exception):
         r.choice = "none"
+
+
+def test_parquet_results_hold_tool_calls_as_json():
+    import pyarrow as pa
+
+    from deploy.generate_data import results_table
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    lines = [{"id": 1, "text": "", "reasoning_content": None, "tool_calls": calls, "finish_reason": "tool_calls",
+              "usage": {"prompt_tokens": 3, "completion_tokens": 2}}, {"id": 2, "text": "hi", "finish_reason": "stop"}]
+    table = results_table(pa.table({"result": [json.dumps(line) for line in lines]}))
+    rows = table.to_pylist()
+    assert json.loads(rows[0]["tool_calls"]) == calls and rows[1]["tool_calls"] is None
+    assert rows[0]["finish_reason"] == "tool_calls"
