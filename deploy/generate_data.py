@@ -207,7 +207,8 @@ def results_table(table):
         values = {**r, "id": rid if rid is None or isinstance(rid, str) else json.dumps(rid),
                   "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
                   "logprobs": json.dumps(r["logprobs"]) if r.get("logprobs") is not None else None,
-                  "tool_calls": json.dumps(r["tool_calls"], ensure_ascii=False) if r.get("tool_calls") is not None else None,
+                  "tool_calls": (json.dumps(r["tool_calls"], ensure_ascii=False) if r.get("tool_calls") is not None
+                                 else None),
                   "prompt_logprobs": json.dumps(r["prompt_logprobs"]) if r.get("prompt_logprobs") is not None else None}
         for name in RESULT_FIELDS:
             columns[name].append(values.get(name))

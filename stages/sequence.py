@@ -29,7 +29,7 @@ class Sequence:
         self.detokenizer = Detokenizer(tokenizer)
         self.cancelled = False           # set by the server when the client went away
         self.error: str | None = None
-        self.script: list[int] | None = None   # test hook: tokens that replace the sampled ones (EngineArgs.scripted_outputs)
+        self.script: list[int] | None = None   # test hook: tokens in place of the sampled ones (scripted_outputs)
 
     @property
     def max_length(self) -> int:

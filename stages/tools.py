@@ -123,7 +123,8 @@ def tool_request(request: dict) -> ToolRequest | None:
         choice = "auto"
     elif isinstance(choice, dict):
         function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if (choice.get("type") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)):
             raise RequestError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {_short(choice)}")
         choice, name = "function", function["name"]

@@ -206,7 +206,8 @@ def test_qwen_parallel_calls_in_both_forms_with_text_before(qwen):
     assert without_ids(message["tool_calls"]) == [call("get_weather", {"city": "Paris", "days": 2}), call("now", {})]
     assert len({c["id"] for c in message["tool_calls"]}) == 2
     # parallel_tool_calls false: the first call only
-    single = answer(qwen, "Hmm.\n</think>\n\n" + XML + "\n" + JSON_CALL + "<|im_end|>", body={"parallel_tool_calls": False})
+    single = answer(qwen, "Hmm.\n</think>\n\n" + XML + "\n" + JSON_CALL + "<|im_end|>",
+                    body={"parallel_tool_calls": False})
     assert without_ids(single["message"]["tool_calls"]) == [call("get_weather", {"city": "Paris", "days": 2})]
 
 
@@ -219,7 +220,8 @@ def test_qwen_xml_values_follow_the_schema():
     # a string stays text (even "42", even "null" where null is allowed too); unknown arguments stay text
     assert name == "get_weather" and json.loads(arguments) == {
         "city": "42", "days": 3, "metric": True, "hours": [1, 2.5], "note": "null", "extra": "7"}
-    multiline = "<tool_call>\n<function=now>\n<parameter=text>\nline 1\n\nline 2\n</parameter>\n</function>\n</tool_call>"
+    multiline = ("<tool_call>\n<function=now>\n<parameter=text>\nline 1\n\nline 2\n</parameter>\n</function>\n"
+                 "</tool_call>")
     assert json.loads(parse_text_call(multiline, tools)[1]) == {"text": "line 1\n\nline 2"}
     wrong = block.replace("<parameter=days>\n3", "<parameter=days>\nthree")
     assert json.loads(parse_text_call(wrong, tools)[1])["days"] == "three"     # not an integer: kept as text
@@ -345,7 +347,8 @@ STREAM_CASES = [
      [[], ["</function>"], ["Paris"], ["check.\n\n<tool"], ["\n<tool_call>\n{"]], {}),
     ("qwen", "Hmm.\n</think>\n\nSee:\n<tool_call>\n<function=get_weather>\n</tool_call> and <tool_c<|im_end|>",
      [[], ["and"]], {}),
-    ("qwen", "Hmm.\n</think>\n\n" + XML + "\n\n  text after  <|im_end|>", [[], ["after"]], {"parallel_tool_calls": False}),
+    ("qwen", "Hmm.\n</think>\n\n" + XML + "\n\n  text after  <|im_end|>", [[], ["after"]],
+     {"parallel_tool_calls": False}),
     ("gptoss", H_ANALYSIS + H_CALL, [[], ["Paris"], ["weather.<tool"]], {}),
     ("gptoss", "<|channel|>commentary<|message|>Checking.<|end|>" + H_CALL
      + "<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
@@ -365,8 +368,9 @@ def test_streams_assemble_to_the_whole_answer(qwen, gptoss, case):
     rng = random.Random(case)
     for stops in stop_sets:
         whole = answer(model, output, stops, body, **params)
-        want = ({"content": whole["message"]["content"] or None, "reasoning_content": whole["message"]["reasoning_content"],
-                 "tool_calls": without_ids(whole["message"].get("tool_calls"))}, whole["finish_reason"])
+        message = whole["message"]
+        want = ({"content": message["content"] or None, "reasoning_content": message["reasoning_content"],
+                 "tool_calls": without_ids(message.get("tool_calls"))}, whole["finish_reason"])
         p = prepare(model, stream=True, **body, **({"stop": stops} if stops else {}))
         for bounds in groupings(len(output_ids), rng):
             updates = engine_updates(tok, p, output_ids, bounds, stops, **params)
