@@ -78,6 +78,7 @@ class Coordinator:
         self.wake = asyncio.Event()
         self.outputs = Outputs()
         self.fault = dict(args.fault_injection or {})
+        self.scripts = dict(args.scripted_outputs or {})
         self.steps = self.restarts = 0                 # restarts: over the coordinator's life (load() shows it)
         self.recent_restarts: deque[float] = deque()    # when each restart of the last RESTART_WINDOW s happened
         self.stats = {"first_token_s": deque(maxlen=100_000), "started": {}}
@@ -118,6 +119,8 @@ class Coordinator:
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
         seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        if self.scripts:
+            seq.script = self.script_for(seq.prompt_ids)
         if self.max_queued is not None and self.queued() > self.max_queued:
             self.core.finish(seq, "abort")
             raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
@@ -232,6 +235,13 @@ class Coordinator:
             batch.computing = computing
             self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
             self._maybe_inject_fault()
+
+    def script_for(self, prompt_ids: list[int]) -> list[int] | None:
+        """Test hook (EngineArgs.scripted_outputs, {text: token ids}): a sequence whose prompt's text holds a
+        key writes that key's tokens in place of those it samples (its model still runs every step), so
+        that a test can drive the whole serving path with an output no random model would write."""
+        text = self.core.tokenizer.decode(prompt_ids)
+        return next((ids for key, ids in self.scripts.items() if key in text), None)
 
     def _maybe_inject_fault(self):
         """Test hook: right after the Nth micro-batch was launched, kill a stage actor once, or with

@@ -45,6 +45,7 @@ class EngineArgs:
     chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
     chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)
     fault_injection: dict | None = None      # test hook: see Coordinator._maybe_inject_fault
+    scripted_outputs: dict | None = None     # test hook: see Coordinator.script_for
 
     def __post_init__(self):
         if self.max_queued is not None and self.max_queued < 0:
@@ -98,6 +99,11 @@ class EngineArgs:
                 check_template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
             except RequestError as e:
                 raise RaymoeError(str(e)) from None
+        if self.scripted_outputs is not None and not (
+                isinstance(self.scripted_outputs, dict) and all(
+                    isinstance(k, str) and k and isinstance(v, list) and all(type(t) is int for t in v)
+                    for k, v in self.scripted_outputs.items())):
+            fail("scripted_outputs", "must map prompt texts to lists of token ids")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             fail("chat_template", f"must be a file name or a template, got {self.chat_template!r}")
         if n_layers is not None:

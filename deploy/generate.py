@@ -5,7 +5,8 @@
 Each output line matches its input line, in order (or as they finish, --unordered), written and
 flushed as it finishes, with a bounded number of lines held; a bad line gets {"id", "error"} and the
 rest of the batch still runs. A `messages` line's output has `reasoning_content` beside `text` (then the
-answer alone), split as the server splits chat answers (docs/chat.md); --chat-template and
+answer alone), split as the server splits chat answers (docs/chat.md), and `tool_calls` when the line
+offers `tools`; --chat-template and
 --chat-template-kwargs steer the chat template, a line's `chat_template_kwargs` override the latter.
 --resume keeps an earlier run's output and generates only the ids it lacks. SIGTERM or SIGINT ends the
 job, keeping the lines written so far, and stops the local Ray cluster it started (exit status 128 + the
@@ -25,7 +26,7 @@ from cluster.engine_args import EngineArgs, add_engine_flags
 from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
 from stages.chat import load_chat_template
 from stages.errors import RaymoeError, RequestError
-from stages.reasoning import split_result
+from stages.tool_calls import split_chat_result
 from stages.sampling import SamplingParams
 
 
@@ -188,7 +189,7 @@ class StreamingJob:
         self.engine, self.writer, self.defaults, self.window, self.ordered, self.bar = (
             engine, writer, defaults, window, ordered, bar)
         self.in_flight: dict[int, int] = {}     # seq_id -> position
-        self.chats: set[int] = set()            # seq_ids of `messages` lines: their reasoning goes apart
+        self.chats: dict[int, dict] = {}        # seq_id -> `messages` line: its reasoning (and tool calls) go apart
         self.ready: dict[int, dict] = {}        # position -> result waiting for earlier ones (ordered)
         self.lines = 0                          # lines read
         self.read = self.written = 0            # positions taken (lines not skipped), results written
@@ -220,8 +221,7 @@ class StreamingJob:
                 continue
             for seq_id, result in self.engine.wait_finished(timeout=1.0):
                 if seq_id in self.chats:
-                    self.chats.discard(seq_id)
-                    result = split_result(result, self.engine.tokenizer)
+                    result = split_chat_result(result, self.engine.tokenizer, self.chats.pop(seq_id))
                 self._emit(self.in_flight.pop(seq_id), result)
 
     def _take(self, line) -> int | None:
@@ -253,7 +253,7 @@ class StreamingJob:
             else:
                 self.in_flight[outcome] = position
                 if "messages" in request:
-                    self.chats.add(outcome)
+                    self.chats[outcome] = request
 
     def _emit(self, position: int, result: dict):
         if not self.ordered:

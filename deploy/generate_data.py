@@ -23,11 +23,11 @@ from tqdm import tqdm
 
 from deploy.results_file import ResultWriter, id_key, local_jsonl, parse_line
 from stages.errors import RaymoeError
-from stages.reasoning import split_result
+from stages.tool_calls import split_chat_result
 
-# A Parquet output's columns: nested values (logprobs) as their JSON text, the id as text.
-RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_content", "finish_reason", "prompt_tokens",
-                 "completion_tokens", "logprobs", "prompt_logprobs", "error")
+# A Parquet output's columns: nested values (logprobs, tool_calls) as their JSON text, the id as text.
+RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_content", "tool_calls", "finish_reason",
+                 "prompt_tokens", "completion_tokens", "logprobs", "prompt_logprobs", "error")
 
 
 def run(args, engine_args, defaults: dict, check_signals, after_ray_init) -> int:
@@ -161,7 +161,7 @@ class Replica:
             results.append({"id": rid, "error": error} if error else None)
             if error is None:
                 good.append((len(results) - 1, rid, request))
-        in_flight, chats = {}, set()
+        in_flight, chats = {}, {}
         for (i, rid, request), outcome in zip(good, self.engine.submit_many([(r, q) for _, r, q in good],
                                                                              self.defaults)):
             if isinstance(outcome, dict):
@@ -169,11 +169,11 @@ class Replica:
             else:
                 in_flight[outcome] = i
                 if "messages" in request:
-                    chats.add(outcome)     # its reasoning goes apart from its text
+                    chats[outcome] = request     # its reasoning (and tool calls) go apart from its text
         while in_flight:
             for seq_id, result in self.engine.wait_finished(timeout=1.0):
                 if seq_id in chats:
-                    result = split_result(result, self.engine.tokenizer)
+                    result = split_chat_result(result, self.engine.tokenizer, chats.pop(seq_id))
                 results[in_flight.pop(seq_id)] = result
         return pa.table({"result": pa.array([json.dumps(r, ensure_ascii=False) for r in results], pa.string())})
 
@@ -207,12 +207,14 @@ def results_table(table):
         values = {**r, "id": rid if rid is None or isinstance(rid, str) else json.dumps(rid),
                   "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
                   "logprobs": json.dumps(r["logprobs"]) if r.get("logprobs") is not None else None,
+                  "tool_calls": (json.dumps(r["tool_calls"], ensure_ascii=False) if r.get("tool_calls") is not None
+                                 else None),
                   "prompt_logprobs": json.dumps(r["prompt_logprobs"]) if r.get("prompt_logprobs") is not None else None}
         for name in RESULT_FIELDS:
             columns[name].append(values.get(name))
     schema = pa.schema([("id", pa.string()), ("prompt_token_ids", pa.list_(pa.int64())),
                         ("token_ids", pa.list_(pa.int64())), ("text", pa.string()), ("reasoning_content", pa.string()),
-                        ("finish_reason", pa.string()),
+                        ("tool_calls", pa.string()), ("finish_reason", pa.string()),
                         ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                         ("logprobs", pa.string()), ("prompt_logprobs", pa.string()), ("error", pa.string())])
     return pa.table(columns, schema=schema)

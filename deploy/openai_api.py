@@ -12,9 +12,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from stages.errors import RequestError
-from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText, output_parser, split_answer
+from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from stages.requests import chat_prompt, check_prompt
 from stages.sampling import MAX_N, SamplingParams, choice_seed
+from stages.tool_calls import TOOL_CALLS, chat_parsers, split_message, tool_calls_reader
+from stages.tools import TOOL_FIELDS, ToolRequest, tool_request
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -30,9 +32,9 @@ UNKNOWN = "unknown_parameter"
 # One policy for every endpoint (docs/chat.md, "Request fields"): a field the endpoint does not know is
 # refused with a 400 naming it (code unknown_parameter), as OpenAI's own API refuses one, so that a
 # misspelt or unsupported option never passes silently. Each known field is honoured, or refused when
-# set to what this server cannot do (tools, a response_format, ...: code unsupported_parameter), or,
-# for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping, accepted and ignored (and, in a
-# chat, parallel_tool_calls, which only matters with tools, themselves refused).
+# set to what this server cannot do (the legacy functions, a response_format, ...: code
+# unsupported_parameter), or, for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping,
+# accepted and ignored.
 IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier"))
 _SAMPLING_FIELDS = frozenset(("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
                               "presence_penalty", "frequency_penalty", "logit_bias",
@@ -44,7 +46,7 @@ CHAT_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "return_token_ids",
     "chat_template_kwargs", "reasoning_effort"}
 TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
-                             "return_token_strs", "chat_template_kwargs", "reasoning_effort"))
+                             "return_token_strs", "chat_template_kwargs", "reasoning_effort", "tools"))
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 STREAM_OPTIONS_FIELDS = frozenset(("include_usage",))
 
@@ -104,7 +106,9 @@ class Prepared:
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
     n: int = 1                         # choices: one engine request each (choice_requests)
-    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py)
+    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py); each
+                                        # choice's answer goes through a fresh() one
+    tools: ToolRequest | None = None    # chat with tools (stages/tools.py): calls are read from the answers
     created: int = field(default_factory=lambda: int(time.time()))
 
     def choice_requests(self) -> list[dict]:
@@ -264,8 +268,9 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
     check_fields(body, CHAT_FIELDS)
     stream, include_usage, n = _common(body, served_model)
-    for name in ("tools", "functions", "tool_choice", "function_call"):
+    for name in ("functions", "function_call"):     # the legacy form of tools: send tools and tool_choice
         _unsupported(body, name, allowed=(None, "none"))
+    tools = _tools(body)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
@@ -276,7 +281,8 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     check_text_size(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), tokenizer,
                     context_length, "messages")
-    ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True)
+    ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True,
+                       tools=tools.template_tools() if tools else None)
     _check_length(ids, context_length, vocab, "messages")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     # no limit given: generate until the model stops or the context is full (as OpenAI does)
@@ -288,9 +294,20 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     _validate_sampling(request, vocab)
+    parser, calls = chat_parsers(tokenizer, ids, tools)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
                     include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
-                    n=n, parser=output_parser(tokenizer, ids))
+                    n=n, parser=parser, tools=tools if calls is not None else None)
+
+
+def _tools(body: dict) -> ToolRequest | None:
+    """The request's tools, tool_choice and parallel_tool_calls (stages/tools.py); None without tools."""
+    try:
+        return tool_request(body)
+    except RequestError as e:
+        message = str(e)
+        param = next((name for name in TOOL_FIELDS if message.startswith(name)), "tools")
+        raise APIError(400, message, param=param) from None
 
 
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -312,11 +329,12 @@ def _template_kwargs(body: dict) -> dict | None:
     return kwargs
 
 
-def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: bool) -> list[int]:
-    """Token ids of messages through the chat template (with the request's template variables)."""
+def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> list[int]:
+    """Token ids of messages through the chat template (with the request's template variables and tools)."""
     kwargs = _template_kwargs(body)
     try:
-        prompt = chat_prompt(messages, tokenizer, kwargs, add_generation_prompt=add_generation_prompt)
+        prompt = chat_prompt(messages, tokenizer, kwargs, add_generation_prompt=add_generation_prompt, tools=tools)
     except RequestError as e:
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
         raise APIError(400, str(e), param=param) from None
@@ -351,7 +369,9 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
         messages = [_message_content(m, i) for i, m in enumerate(messages)]
-        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=_bool(body, "add_generation_prompt", True))
+        tools = _tools({"tools": body.get("tools")})
+        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                           tools=tools.template_tools() if tools else None)
     out = {"count": len(ids), "max_model_len": context_length, "tokens": ids}
     if _bool(body, "return_token_strs"):
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
@@ -492,11 +512,17 @@ def _completion_choice(p: Prepared, index: int, result: dict, token_text: TokenT
 
 def chat_message(p: Prepared, result: dict) -> dict:
     """The assistant's message: with a reasoning format, the answer as content and the reasoning as
-    reasoning_content (None when there is none); otherwise the whole text as content."""
+    reasoning_content (None when there is none); otherwise the whole text as content. With tools, the
+    calls read from the answer as tool_calls (when there are some: content is then None if empty)."""
     if p.parser is None:
         return {"role": "assistant", "content": result["text"], REASONING: None}
-    fields = split_answer(p.parser, result["token_ids"], result["text"])
-    return {"role": "assistant", "content": fields[CONTENT], REASONING: fields[REASONING]}
+    parser = p.parser.fresh()
+    calls = tool_calls_reader(parser, p.tools) if p.tools is not None else None
+    fields = split_message(parser, calls, result["token_ids"], result["text"])
+    message = {"role": "assistant", "content": fields[CONTENT], REASONING: fields[REASONING]}
+    if fields[TOOL_CALLS]:
+        message[TOOL_CALLS] = fields[TOOL_CALLS]
+    return message
 
 
 def chat_response(p: Prepared, results: list[dict], token_text: TokenText) -> dict:
@@ -508,9 +534,10 @@ def chat_response(p: Prepared, results: list[dict], token_text: TokenText) -> di
 
 
 def _chat_choice(p: Prepared, index: int, result: dict, token_text: TokenText) -> dict:
-    choice = {"index": index, "message": chat_message(p, result),
+    message = chat_message(p, result)
+    choice = {"index": index, "message": message,
               "logprobs": chat_logprobs(result["logprobs"], token_text) if p.logprobs is not None else None,
-              "finish_reason": result["finish_reason"]}
+              "finish_reason": TOOL_CALLS if TOOL_CALLS in message else result["finish_reason"]}
     if p.return_token_ids:
         choice.update(prompt_token_ids=result["prompt_token_ids"], token_ids=result["token_ids"])
     return choice
@@ -573,8 +600,13 @@ class StreamFormatter:
         stop = p.engine_request.get("stop") or []
         stops = [stop] if isinstance(stop, str) else stop
         self.deltas = TextDeltas(stops)
-        # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py)
-        self.split = SplitText(p.parser, stops) if p.kind == "chat" and p.parser is not None else None
+        # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py), and
+        # with tools, of tool_calls (stages/tool_calls.py)
+        self.split = self.calls = None
+        if p.kind == "chat" and p.parser is not None:
+            parser = p.parser.fresh()
+            self.split = SplitText(parser, stops)
+            self.calls = tool_calls_reader(parser, p.tools) if p.tools is not None else None
         self.offset = len(prompt_text) if p.echo else 0     # text_offset of the next completion token
         self.started = False
 
@@ -620,11 +652,25 @@ class StreamFormatter:
             choice["token_ids"] = list(token_ids)
         return self._chunk(choice)
 
-    def _fields(self, pieces: list[tuple], token_ids: list[int], logprobs_entries) -> list[dict]:
-        """Chat chunks of (field, text) pieces, one per piece; the update's logprobs and token ids go
-        with the last (a chunk of its own, with an empty delta, when the tokens made no text yet)."""
+    def _fields(self, pieces: list[tuple], token_ids: list[int], logprobs_entries, final: bool = False) -> list[dict]:
+        """Chat chunks of (field, text) pieces, one per piece, and of tool calls, two each (the call's
+        index, id, type and name with empty arguments, then its arguments: OpenAI's clients join the
+        deltas of one index); the update's logprobs and token ids go with the last (a chunk of its own,
+        with an empty delta, when the tokens made no text yet)."""
         lp = self._logprobs(logprobs_entries)
-        choices = [{"delta": {field: text}, "logprobs": None, "finish_reason": None} for field, text in pieces]
+        if self.calls is not None:
+            pieces = self.calls.feed(pieces) + (self.calls.finish() if final else [])
+        choices = []
+        for field, value in pieces:
+            if field == TOOL_CALLS:
+                index, function = self.calls.calls.index(value), value["function"]
+                first = {"index": index, "id": value["id"], "type": "function",
+                         "function": {"name": function["name"], "arguments": ""}}
+                rest = {"index": index, "function": {"arguments": function["arguments"]}}
+                choices += [{"delta": {TOOL_CALLS: [first]}, "logprobs": None, "finish_reason": None},
+                            {"delta": {TOOL_CALLS: [rest]}, "logprobs": None, "finish_reason": None}]
+            else:
+                choices.append({"delta": {field: value}, "logprobs": None, "finish_reason": None})
         if not choices and (lp or (self.p.return_token_ids and token_ids)):
             choices = [{"delta": {}, "logprobs": None, "finish_reason": None}]
         if choices:
@@ -639,16 +685,19 @@ class StreamFormatter:
         if "finished" in update:
             result = self.result = update["finished"]
             check_result(result)
+            finish_reason = result["finish_reason"]
             if self.split is not None:
                 out += self._fields(self.split.final(update["token_ids"], result["text"]), update["token_ids"],
-                                    update.get("logprobs"))
+                                    update.get("logprobs"), final=True)
+                if self.calls is not None and self.calls.calls:
+                    finish_reason = TOOL_CALLS
             else:
                 chunk = self._content(self.deltas.final(result["text"]), update["token_ids"],
                                       update.get("logprobs"))
                 if chunk:
                     out.append(chunk)
             empty = {"delta": {}} if self.p.kind == "chat" else {"text": ""}
-            out.append(self._chunk({**empty, "logprobs": None, "finish_reason": result["finish_reason"]}))
+            out.append(self._chunk({**empty, "logprobs": None, "finish_reason": finish_reason}))
             if self.p.include_usage and self.p.n == 1:
                 out.append(usage_chunk(self.p, [result]))
             return out

@@ -6,7 +6,8 @@ both over one pipeline (a coordinator and its PP stage actors, optionally expert
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
 HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
-events; reasoning apart from the answer as `reasoning_content`), POST /tokenize and /detokenize (vLLM's),
+events; reasoning apart from the answer as `reasoning_content`; function tools and `tool_calls`),
+POST /tokenize and /detokenize (vLLM's),
 GET /health, GET /metrics (Prometheus). docs/chat.md: reasoning, chat templates (--chat-template,
 --chat-template-kwargs, a request's chat_template_kwargs), the request fields accepted. gRPC (a server of the ingress replica, on the host
 HTTP binds): raymoe.Raymoe with Generate, GenerateStream, ListModels, Health. With an API key

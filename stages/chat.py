@@ -18,6 +18,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import RaymoeError, RequestError
+from .tools import history_tool_calls
 
 # chat_template_kwargs (per request, or a server's default): extra variables of the template, such as
 # enable_thinking (Qwen3.5) or reasoning_effort (gpt-oss). Bounded: they are rendered on every request.
@@ -110,17 +111,22 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def validate_messages(messages) -> list[dict]:
-    """The messages as fresh dicts without None values (as transformers passes them), or RequestError."""
+    """The messages as fresh dicts without None values (as transformers passes them), or RequestError.
+    An assistant message with `tool_calls` may lack content (""); its calls' `arguments` become mappings."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
+        message = {key: value for key, value in message.items() if value is not None}
+        if message.get("tool_calls") is not None:
+            # an assistant turn that called tools: its content may be null, its calls' arguments become mappings
+            message = {**message, "content": message.get("content", ""),
+                       "tool_calls": history_tool_calls(message["tool_calls"], i)}
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise RequestError(f"messages[{i}].{key} must be a string")
-        message = {key: value for key, value in message.items() if value is not None}
         # Reasoning arrives under several names; Qwen templates read `reasoning_content`, gpt-oss
         # templates `thinking`. transformers fills both, so do we.
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
@@ -136,14 +142,15 @@ def validate_messages(messages) -> list[dict]:
 class ChatPrompt(str):
     """A rendered chat prompt that can tell which special-token strings came from the messages.
 
-    Message text is the user's: Tokenizer.encode encodes it as plain text, so `<|im_end|>` written in a
-    message never becomes the control token that ends a turn (a faked system turn stays text).
-    `protect(specials)` renders again with each such string in a message replaced by a placeholder
+    Message text (and the tools' text) is the user's: Tokenizer.encode encodes it as plain text, so
+    `<|im_end|>` written in a message never becomes the control token that ends a turn (a faked system
+    turn stays text). `protect(specials)` renders again with each such string in a message or a tool
+    replaced by a placeholder
     that the user cannot write (it holds a random nonce); `restore` puts the strings back."""
 
-    def __new__(cls, text: str, render, messages: list[dict]):
+    def __new__(cls, text: str, render, messages: list[dict], tools: list[dict] | None = None):
         self = super().__new__(cls, text)
-        self._render, self._messages = render, messages
+        self._render, self._messages, self._tools = render, messages, tools
         self._nonce = uuid.uuid4().hex
         self._literals: list[str] = []
         return self
@@ -156,12 +163,13 @@ class ChatPrompt(str):
             if isinstance(value, list):
                 return [hide(v) for v in value]
             if isinstance(value, dict):
-                return {k: hide(v) for k, v in value.items()}
+                return {hide(k): hide(v) for k, v in value.items()}
             return value
 
         self._literals = []
         hidden = [hide(m) for m in self._messages]
-        return self._render(hidden) if self._literals else None
+        tools = hide(self._tools)
+        return self._render(hidden, tools) if self._literals else None
 
     def _placeholder(self, literal: str) -> str:
         self._literals.append(literal)
@@ -214,9 +222,11 @@ def load_chat_template(value: str | None) -> str | None:
     return template
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> ChatPrompt:
-    """The prompt text for `messages`. `extra` becomes template variables (e.g. bos_token, enable_thinking);
-    `tools` and `documents` are None, as transformers passes them when none are given."""
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, **extra) -> ChatPrompt:
+    """The prompt text for `messages`. `tools` (checked by stages.tools) is the template variable of that
+    name, None when none are offered, as transformers passes it; `documents` is None. `extra` becomes
+    template variables (e.g. bos_token, enable_thinking)."""
     if not isinstance(template, str):
         raise RequestError("the model has no chat template")
     messages = validate_messages(messages)
@@ -225,14 +235,15 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     except jinja2.TemplateSyntaxError as e:
         raise RequestError(f"chat template syntax error (line {e.lineno}): {_one_line(e.message)}") from None
 
-    def render(messages):
+    def render(messages, tools):
         try:
             return compiled.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **extra
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **extra
             )
         except _TemplateError as e:
             raise RequestError(f"chat template: {_one_line(e)}") from None
         except Exception as e:  # anything an untrusted template does wrong is the request's problem, not ours
             raise RequestError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
 
-    return ChatPrompt(render(messages), render, messages)
+    tools = [dict(t) for t in tools] if tools else None
+    return ChatPrompt(render(messages, tools), render, messages, tools)

@@ -14,9 +14,12 @@ whole answer decode alike. Two formats:
 * Harmony (gpt-oss): messages `<|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>`, the last ended by
   `<|return|>` (or `<|call|>`, a tool call). The generation prompt ends in `<|start|>assistant`, so
   the output begins with a header. The `analysis` channel is reasoning; `final` and `commentary` are
-  answer (commentary holds preambles and tool calls, which this server does not offer). Headers
-  (role, channel, recipient `to=...`, `<|constrain|>` type) are never shown. Output that is not
-  harmony at all (no header ends within MAX_HEADER_TOKENS tokens) is answer.
+  answer (commentary holds preambles and tool calls). Headers (role, channel, recipient `to=...`,
+  `<|constrain|>` type) are never shown. Output that is not harmony at all (no header ends within
+  MAX_HEADER_TOKENS tokens) is answer. When the request offers tools (`tool_calls=True`), the body of
+  a message to `functions.NAME` is labelled CallBody(NAME), and the end of such a message (`<|call|>`,
+  `<|end|>`, `<|return|>`) gives an empty CALL_END piece, for stages/tool_calls.py to read as a call;
+  otherwise a call's arguments are answer.
 
   The reference parser, the `openai-harmony` package, loads the o200k_harmony vocabulary by
   downloading it on first use; it cannot run on a machine without network access (its wheel has no
@@ -29,12 +32,24 @@ whose concatenation per field equals the whole answer's.
 """
 from __future__ import annotations
 
+import re
 from collections import deque
+from dataclasses import dataclass
 
 from .detokenizer import Detokenizer
 
 REASONING, CONTENT = "reasoning_content", "content"
 HIDDEN = None
+CALL_END = "call_end"         # an empty piece: the harmony tool call before it is complete
+
+
+@dataclass(frozen=True)
+class CallBody:
+    """The field of a harmony tool call's body (its arguments): a call to the function `name`."""
+    name: str
+
+
+_RECIPIENT = re.compile(r"(?:^|\s)to=functions\.([^\s<]+)")
 MAX_HEADER_TOKENS = 64        # a harmony header longer than this is not one: the output is plain text
 _SCAN_LIMIT = 4096            # prompt tokens looked at (backwards) for the state the output starts in
 
@@ -67,10 +82,17 @@ class _Runs:
 
 class OutputParser:
     """The output of one chat sequence as (field, text) pieces, in order; the texts of all pieces,
-    hidden ones too, concatenate to the output's decoded text (special tokens decode to nothing)."""
+    hidden ones too, concatenate to the output's decoded text (special tokens decode to nothing).
+    A parser holds the state of one output: `fresh()` gives another for the next output of the same
+    prompt (a request's other choices)."""
 
     def __init__(self, tokenizer):
         self.runs = _Runs(tokenizer)
+        self._args = (tokenizer,)
+
+    def fresh(self) -> "OutputParser":
+        """A parser of the same prompt and format, at the start of an output."""
+        return type(self)(*self._args)
 
     def feed(self, token_ids) -> list[tuple]:
         out = []
@@ -99,6 +121,7 @@ class ThinkParser(OutputParser):
 
     def __init__(self, tokenizer, prompt_ids: list[int], start: int, end: int, turn_starts: set[int]):
         super().__init__(tokenizer)
+        self._args = (tokenizer, prompt_ids, start, end, turn_starts)
         self.start, self.end = start, end
         last = _last_index(prompt_ids, {start, end, *turn_starts})
         self.field = REASONING if last >= 0 and prompt_ids[last] == start else CONTENT
@@ -116,9 +139,10 @@ class ThinkParser(OutputParser):
 class HarmonyParser(OutputParser):
     """gpt-oss's harmony messages (see the module's docstring)."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], specials: dict[str, int]):
+    def __init__(self, tokenizer, prompt_ids: list[int], specials: dict[str, int], tool_calls: bool = False):
         super().__init__(tokenizer)
-        self.tokenizer = tokenizer
+        self._args = (tokenizer, prompt_ids, specials, tool_calls)
+        self.tokenizer, self.tool_calls = tokenizer, tool_calls
         self.start, self.message, self.channel = specials["<|start|>"], specials["<|message|>"], specials["<|channel|>"]
         self.ends = {specials[name] for name in ("<|end|>", "<|return|>", "<|call|>") if name in specials}
         self.markup = {self.channel, specials.get("<|constrain|>", self.channel)}
@@ -135,8 +159,21 @@ class HarmonyParser(OutputParser):
         else:
             self.header = prompt_ids[last + 1:] if prompt_ids[last] == self.start else []
 
-    def _field(self, header: list[int]) -> str:
-        """The field of a message from its header: reasoning on the analysis channel, else answer."""
+    def _field(self, header: list[int]):
+        """The field of a message from its header: a tool call's body (with tools) when it goes to
+        `functions.NAME`, else reasoning on the analysis channel, else answer."""
+        if self.tool_calls:
+            parts, part = [], []
+            for token in header:
+                if token in self.markup:
+                    parts.append(part)
+                    part = []
+                else:
+                    part.append(token)
+            text = " ".join(self.tokenizer.decode(p, skip_special_tokens=True) for p in [*parts, part])
+            recipient = _RECIPIENT.search(text)
+            if recipient:
+                return CallBody(recipient.group(1))
         if self.channel in header:
             after = header[header.index(self.channel) + 1:]
             name = []
@@ -160,6 +197,8 @@ class HarmonyParser(OutputParser):
         if self.header is None:                   # in a message body
             if token == self.start or token in self.ends:
                 self.header, self.opened = [], token == self.start
+                if token in self.ends and isinstance(self.field, CallBody):
+                    return self.runs.close() + [(CALL_END, "")] + self.runs.add(HIDDEN, token)
                 return self.runs.add(HIDDEN, token)
             return self.runs.add(HIDDEN if token in self.markup or token == self.message else self.field, token)
         if token == self.message:
@@ -182,12 +221,13 @@ class HarmonyParser(OutputParser):
         return self._flush_held() + self.runs.close()
 
 
-def output_parser(tokenizer, prompt_ids: list[int]) -> OutputParser | None:
+def output_parser(tokenizer, prompt_ids: list[int], tool_calls: bool = False) -> OutputParser | None:
     """The parser for a chat answer to `prompt_ids` in the tokenizer's format (harmony when it has
-    harmony's special tokens, think tags when it has <think> and </think>); None for neither."""
+    harmony's special tokens, think tags when it has <think> and </think>); None for neither. With
+    tool_calls, harmony's tool calls are labelled (CallBody, CALL_END) for stages/tool_calls.py."""
     specials = tokenizer.special_tokens
     if all(name in specials for name in ("<|start|>", "<|message|>", "<|channel|>", "<|end|>")):
-        return HarmonyParser(tokenizer, prompt_ids, specials)
+        return HarmonyParser(tokenizer, prompt_ids, specials, tool_calls)
     start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
     if start is not None and end is not None:
         turn_starts = {specials[name] for name in ("<|im_start|>",) if name in specials}
@@ -227,8 +267,14 @@ class SplitText:
 
     def _take(self, upto: int) -> list[tuple]:
         out = []
-        while self.pending and self.sent < upto:
+        # an empty piece (CALL_END) passes once the text before it has: it lies before the cut
+        while self.pending and (self.sent < upto or not self.pending[0][1]):
             field, text = self.pending[0]
+            if not text:
+                self.pending.popleft()
+                if field is not HIDDEN:
+                    out.append((field, text))
+                continue
             n = min(len(text), upto - self.sent)
             if n == len(text):
                 self.pending.popleft()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .chat import ChatPrompt, check_template_kwargs, render_chat
 from .errors import RequestError
 from .sampling import SamplingParams
+from .tools import tool_request
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 
@@ -23,19 +24,24 @@ def prompt_ids(request: dict, tokenizer) -> list[int]:
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise RequestError("prompt_token_ids must be a list of integers")
         return list(value)
-    return tokenizer.encode(chat_prompt(value, tokenizer, request.get("chat_template_kwargs")))
+    tools = tool_request(request)       # a line's tools, tool_choice and parallel_tool_calls (stages/tools.py)
+    return tokenizer.encode(chat_prompt(value, tokenizer, request.get("chat_template_kwargs"),
+                                        tools=tools.template_tools() if tools else None))
 
 
-def chat_prompt(messages, tokenizer, template_kwargs=None, add_generation_prompt: bool = True) -> ChatPrompt:
+def chat_prompt(messages, tokenizer, template_kwargs=None, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> ChatPrompt:
     """`messages` through the chat template, with the variables transformers gives a template (the
-    special tokens: bos_token, eos_token, pad_token; add_generation_prompt; tools and documents None),
-    then the server's default chat_template_kwargs (tokenizer.chat_template_kwargs), then the request's."""
+    special tokens: bos_token, eos_token, pad_token; add_generation_prompt; `tools`, None when none are
+    offered; documents None), then the server's default chat_template_kwargs (tokenizer.chat_template_kwargs),
+    then the request's."""
     if tokenizer.chat_template is None:
         raise RequestError("this model has no chat template; send prompt or prompt_token_ids instead of messages")
     variables = {**tokenizer.special_tokens_map, **getattr(tokenizer, "chat_template_kwargs", {})}
     if template_kwargs is not None:
         variables.update(check_template_kwargs(template_kwargs))
-    return render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt, **variables)
+    return render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                       **variables)
 
 
 def check_prompt(ids: list[int], vocab_size: int, context_length: int):

@@ -29,6 +29,7 @@ class Sequence:
         self.detokenizer = Detokenizer(tokenizer)
         self.cancelled = False           # set by the server when the client went away
         self.error: str | None = None
+        self.script: list[int] | None = None   # test hook: tokens in place of the sampled ones (scripted_outputs)
 
     @property
     def max_length(self) -> int:
@@ -85,6 +86,9 @@ class Sequence:
         if prompt_entries:
             self.prompt_logprobs.extend(prompt_entries)
         if token is not None:
+            if self.script is not None and len(self.output_ids) < len(self.script):
+                token = self.script[len(self.output_ids)]
+                entry = None if entry is None else {**entry, "token_id": token}
             self.append_token(token, entry)
 
     def append_token(self, token: int, entry: dict | None = None):

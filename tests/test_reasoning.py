@@ -275,3 +275,19 @@ def test_split_result_for_chat_lines(qwen, gptoss):
     ids = qwen.encode("Hi!")
     out = split_result({"id": 3, "prompt_token_ids": p, "token_ids": ids, "text": "Hi!"}, qwen)
     assert out == {"id": 3, "prompt_token_ids": p, "token_ids": ids, "text": "Hi!", "reasoning_content": None}
+
+
+def test_every_choice_is_split_from_the_start(qwen):
+    """n > 1: the choices share the request's parser as a pattern; each answer starts in the prompt's state."""
+    p = prompt(qwen)
+    ids = qwen.encode("Think.</think>Answer")
+    result = {"token_ids": ids, "text": qwen.decode(ids, skip_special_tokens=True)}
+    prep = prepared(qwen, p, [], stream=False)
+    assert chat_message(prep, result) == chat_message(prep, result) == {
+        "role": "assistant", CONTENT: "Answer", REASONING: "Think."}
+    stream = prepared(qwen, p, [])
+    updates = engine_updates(qwen, p, ids + [qwen.token_to_id("<|im_end|>")], [], set())
+    formatters = [StreamFormatter(stream, TokenText(qwen), index=i) for i in range(2)]
+    for f in formatters:
+        text = "".join(c["choices"][0]["delta"].get(CONTENT, "") for u in updates for c in f.update(u))
+        assert text == "Answer"
