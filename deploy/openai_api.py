@@ -661,8 +661,8 @@ class StreamFormatter:
         if self.calls is not None:
             pieces = self.calls.feed(pieces) + (self.calls.finish() if final else [])
         choices = []
-        for field, value in pieces:
-            if field == TOOL_CALLS:
+        for kind, value in pieces:
+            if kind == TOOL_CALLS:
                 index, function = self.calls.calls.index(value), value["function"]
                 first = {"index": index, "id": value["id"], "type": "function",
                          "function": {"name": function["name"], "arguments": ""}}
@@ -670,7 +670,7 @@ class StreamFormatter:
                 choices += [{"delta": {TOOL_CALLS: [first]}, "logprobs": None, "finish_reason": None},
                             {"delta": {TOOL_CALLS: [rest]}, "logprobs": None, "finish_reason": None}]
             else:
-                choices.append({"delta": {field: value}, "logprobs": None, "finish_reason": None})
+                choices.append({"delta": {kind: value}, "logprobs": None, "finish_reason": None})
         if not choices and (lp or (self.p.return_token_ids and token_ids)):
             choices = [{"delta": {}, "logprobs": None, "finish_reason": None}]
         if choices:
