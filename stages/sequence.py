@@ -50,9 +50,12 @@ class Sequence:
         """More than one token to run: the prompt, or everything again after a stage lost its caches."""
         return self.n_cached < self.n_tokens - 1
 
-    def next_chunk(self, limit: int) -> tuple[int, int]:
-        """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
-        return self.n_cached, min(limit, self.n_tokens - self.n_cached)
+    def next_chunk(self, limit: int, grid: int) -> tuple[int, int]:
+        """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token.
+        A chunk never crosses a multiple of `grid`: a prefill cut short by the token budget is split at the
+        same positions as one that runs alone."""
+        start = self.n_cached
+        return start, min(limit, self.n_tokens - start, grid - start % grid)
 
     def sampling(self, start: int, length: int, row: int, logit_row: int) -> tuple[ChunkSampling, list[int]]:
         """What the last stage computes for the chunk (start, length), whose tokens are batch rows from `row`
