@@ -24,6 +24,8 @@ class Sequence:
         self.n_cached = 0                # tokens whose effect is in every stage's cache
         self.group: int | None = None    # its micro-batch group once admitted (stages/engine.py)
         self.cache_need: tuple | None = None   # bytes of cache per stage it was admitted with (CacheBudget)
+        self.prefix_chain: list[bytes] | None = None     # its prompt's block names (stages/prefix_cache.py)
+        self.prefix_restore: list[bytes] | None = None   # cached blocks its caches start from, until sent
         self.finish_reason: str | None = None
         self.text = ""
         self.detokenizer = Detokenizer(tokenizer)
@@ -52,8 +54,8 @@ class Sequence:
 
     def next_chunk(self, limit: int, grid: int) -> tuple[int, int]:
         """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token.
-        A chunk never crosses a multiple of `grid`: a prefill cut short by the token budget is split at the
-        same positions as one that runs alone."""
+        A chunk never crosses a multiple of `grid`, so a prefill is split at the same positions whether it
+        starts at 0 or after a cached prefix (docs/prefix-cache.md)."""
         start = self.n_cached
         return start, min(limit, self.n_tokens - start, grid - start % grid)
 
