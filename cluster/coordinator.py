@@ -329,6 +329,8 @@ class Coordinator:
             if seq.seq_id in self.core.sequences:
                 seq.error = f"internal error: {type(e).__name__}: {e}"
                 self._finish(seq, "error")
+        if self.core.prefix is not None:     # its step's prefix work may not have reached the stages
+            self.core.prefix.drop_all(self.core.sequences.values())
 
     async def _gather(self, refs):
         results = await asyncio.gather(*refs)

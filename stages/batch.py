@@ -12,13 +12,14 @@ class PrefixOps:
     blocks, drop evicted blocks, run the step, then store the blocks its chunks completed. Blocks are
     `block` tokens, named by their hash chain (stages/prefix_index.py)."""
     block: int
+    clear: bool = False                           # first forget every block (the index was dropped)
     restore: dict = field(default_factory=dict)   # seq_id -> [block hashes], its caches start from them
     drop: list = field(default_factory=list)      # block hashes
     # (seq_id, block index, hash, keys and values?, snapshot?): what to keep of a block the step completed
     store: list = field(default_factory=list)
 
     def __bool__(self):
-        return bool(self.restore or self.drop or self.store)
+        return bool(self.clear or self.restore or self.drop or self.store)
 
 
 @dataclass

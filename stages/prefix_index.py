@@ -47,18 +47,19 @@ class PrefixIndex:
             out.append(parent)
         return out
 
-    def longest(self, chain: list[bytes], max_blocks: int) -> int:
-        """How many leading blocks of `chain` (at most max_blocks) a sequence can start after: all cached,
-        with a snapshot at the last one. Touches them (most recently used)."""
-        n = 0
-        for i, h in enumerate(chain[:max_blocks]):
+    def longest(self, chain: list[bytes], max_blocks: int) -> tuple[int, int]:
+        """(how many leading blocks of `chain` a sequence can start after: all cached, with a snapshot at the
+        last one; how many are cached), both at most max_blocks. Touches the first (most recently used)."""
+        n = cached = 0
+        for h in chain[:max_blocks]:
             entry = self.entries.get(h)
             if entry is None:
                 break
+            cached += 1
             if entry.snapshot:
-                n = i + 1
+                n = cached
         self.touch(chain[:n])
-        return n
+        return n, cached
 
     def touch(self, chain: list[bytes]):
         # children after parents in use order would make a parent evictable first; leaves go first anyway

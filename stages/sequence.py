@@ -26,6 +26,7 @@ class Sequence:
         self.cache_need: tuple | None = None   # bytes of cache per stage it was admitted with (CacheBudget)
         self.prefix_chain: list[bytes] | None = None     # its prompt's block names (stages/prefix_cache.py)
         self.prefix_restore: list[bytes] | None = None   # cached blocks its caches start from, until sent
+        self.prefix_snapshot_at: int | None = None       # a block where it parts from a cached prompt
         self.finish_reason: str | None = None
         self.text = ""
         self.detokenizer = Detokenizer(tokenizer)

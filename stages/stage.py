@@ -142,6 +142,8 @@ class Stage:
             x = hidden.to(self.device)
         ops = batch.prefix
         if ops:     # restore before dropping: a block this step evicts may be one a sequence starts from
+            if ops.clear:
+                self.prefix.clear()
             self.caches.update(self.prefix.restore(ops, self._new_caches))
             self.prefix.drop(ops.drop)
         ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),

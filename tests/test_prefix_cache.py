@@ -102,6 +102,45 @@ def test_prompt_logprobs_run_the_whole_prompt(model):
     assert engine.prefix.load()["hits"] == 1 and later.result()["token_ids"] == again.result()["token_ids"]
 
 
+def preamble_prompts(n: int = 6) -> list[list[int]]:
+    """A batch job's prompts: an 80-token preamble (blocks 0-1 and half of block 2), then each its own text."""
+    g = torch.Generator().manual_seed(5)
+    preamble = torch.randint(0, 2000, (80,), generator=g).tolist()
+    return [preamble + torch.randint(0, 2000, (20 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run_batch(engine, prompts) -> list[dict]:
+    seqs = [engine.add_request(f"p{i}", p, SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.7, seed=i,
+                                                            logprobs=1, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    engine.run_until_done()
+    return [s.result() for s in seqs]
+
+
+@pytest.mark.parametrize("running", [1, 3])
+def test_prompts_sharing_a_preamble_hit_once_it_is_cached(model, running):
+    """The first prompt stores the preamble's blocks (a snapshot at its own last block, 96); the second finds
+    them without a snapshot where it parts from it, recomputes and leaves one there (64); the others start
+    there. One at a time, every output equals a run without the cache bit for bit; three at a time (those
+    admitted together with the first miss), the batches differ, and tokens agree with logprobs to float32
+    noise, as for any change of batching."""
+    prompts = preamble_prompts()
+    without = local_engine(model, cache=0)
+    without.max_running = running
+    expected = run_batch(without, prompts)
+    engine = local_engine(model)
+    engine.max_running = running
+    got = run_batch(engine, prompts)
+    load = engine.prefix.load()
+    hits = len(prompts) - (2 if running == 1 else running)
+    assert load["hits"] == hits and load["hit_tokens"] == 64 * hits
+    if running == 1:
+        assert same_bits(got, expected)
+    for a, b in zip(got, expected):
+        assert a["token_ids"] == b["token_ids"]
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a["logprobs"], b["logprobs"]))
+
+
 def check_stores_match_the_index(engine):
     """What every stage holds is exactly what the coordinator's index says, within each stage's share."""
     index = engine.prefix.index
@@ -314,3 +353,45 @@ def test_health_and_metrics_show_the_prefix_cache():
         assert metrics["raymoe_prefill_tokens" + labels] == 80 + 120 - 64
     finally:
         serve.shutdown()
+
+
+@pytest.mark.cluster
+def test_a_step_that_may_not_have_reached_the_stages_drops_the_cache():
+    """A step whose submission failed (its prefix work perhaps never reached the stages) fails its sequences;
+    the coordinator then drops its index and the next step tells the stages to drop their blocks: later
+    requests miss, recompute, and the stages again hold exactly what the index says."""
+    from cluster.coordinator import Coordinator
+    from cluster.engine_args import EngineArgs
+    from cluster.pipeline import PipelineSpec
+    from test_engine_faults import LocalPipeline
+
+    files = open_model("tiny-qwen35moe")
+    args = EngineArgs(files.path, microbatches=1, prefill_chunk=CHUNK, max_batch_tokens=2 * CHUNK, max_running=64,
+                      prefix_cache_gb=0.25).resolved()
+    coord = Coordinator.__ray_metadata__.modified_class(PipelineSpec(args, files.n_layers, files.config.n_expert))
+    coord.pipeline = LocalPipeline(files, fail_for=1)     # sequence 1's first step fails to submit
+    prompt = list(range(300, 370))
+    request = {"prompt_token_ids": prompt, "max_tokens": 4, "temperature": 0}
+    later = {**request, "prompt_token_ids": prompt + [7] * 30}
+
+    async def one(req):
+        sid = await coord.submit("r", req)
+        while True:
+            for done, result in await coord.wait_finished(timeout=10):
+                assert done == sid
+                return result
+
+    async def go():
+        first = await one(request)
+        failed = await one(later)               # it would have hit: its step's submission fails
+        again = await one(later)                # the index was dropped: no hit
+        return first, failed, again
+    first, failed, again = asyncio.run(go())
+    assert "error" in failed and "error" not in again
+    load, store = coord.load()["prefix_cache"], coord.pipeline.stage.prefix
+    assert load["hits"] == 1 and load["lookups"] == 3            # only the failed one hit
+    assert set(store.blocks) == set(coord.core.prefix.index.entries) and store.bytes == load["bytes"] > 0
+    reference = local_engine(files, "auto", cache=0)
+    seq = reference.add_request("r", later["prompt_token_ids"], SamplingParams(max_tokens=4, temperature=0))
+    reference.run_until_done()
+    assert again["token_ids"] == seq.result()["token_ids"]
