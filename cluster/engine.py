@@ -83,7 +83,8 @@ def plan_memory(files, spec: PipelineSpec):
     args = spec.args
     if args.device == "cuda":
         prefix = GPU_PREFIX_GB if args.prefix_cache_gb is None else args.prefix_cache_gb
-        spec.args = dataclasses.replace(args, max_running=args.max_running or DEFAULT_MAX_RUNNING, prefix_cache_gb=prefix)
+        spec.args = dataclasses.replace(args, max_running=args.max_running or DEFAULT_MAX_RUNNING,
+                                        prefix_cache_gb=prefix)
         return
     needs = [stage_need(files, r, args.dtype, args.step_chunk) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")] or [0]

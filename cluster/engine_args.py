@@ -41,7 +41,7 @@ class EngineArgs:
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
-    prefix_cache_gb: float | None = None     # GiB of prefix cache over all stages (None: a share of free memory; 0: off)
+    prefix_cache_gb: float | None = None     # GiB of prefix cache, all stages (None: a share of free memory; 0: off)
     stall_timeout: float = STALL_TIMEOUT
     chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
     chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)

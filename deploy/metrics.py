@@ -54,7 +54,8 @@ class ServerMetrics:
         self.prefix_budget = Gauge("raymoe_prefix_cache_budget_bytes", "The prefix cache's size over all stages "
                                    "(0: off)", ["model"], registry=r).labels(**labels)
         self.prefix_hit_rate = Gauge("raymoe_prefix_cache_hit_rate", "Share of looked-up prompt tokens a prefix "
-                                     "cache hit skipped, since the server started", ["model"], registry=r).labels(**labels)
+                                     "cache hit skipped, since the server started", ["model"],
+                                     registry=r).labels(**labels)
         self.prefix_hit_tokens = Gauge("raymoe_prefix_cache_hit_tokens", "Prompt tokens skipped by prefix cache "
                                        "hits, since the server started", ["model"], registry=r).labels(**labels)
         self.prefill_tokens = Gauge("raymoe_prefill_tokens", "Prompt tokens run through the model, since the "

@@ -123,9 +123,9 @@ def fit_running(needs: list[StageNeed], node_bytes: list[int], max_running: int,
         prefix_text = f", {prefix / GiB:.2f} GiB of prefix cache" if prefix else ""
         raise RaymoeError(
             f"the model does not fit: its {len(needs)} stage(s) need {sum(need.total(n) for need in needs) / GiB:.1f} "
-            f"GiB ({weights / GiB:.1f} GiB of weights, {cache / GiB:.2f} GiB of cache per sequence x {n}{prefix_text}), "
-            f"and Ray has {sum(node_bytes) / GiB:.1f} GiB (largest node {max(node_bytes) / GiB:.1f} GiB); use --pp over "
-            f"more nodes, a smaller --max-running or a smaller --max-model-len"
+            f"GiB ({weights / GiB:.1f} GiB of weights, {cache / GiB:.2f} GiB of cache per sequence x {n}"
+            f"{prefix_text}), and Ray has {sum(node_bytes) / GiB:.1f} GiB (largest node {max(node_bytes) / GiB:.1f} "
+            f"GiB); use --pp over more nodes, a smaller --max-running or a smaller --max-model-len"
             + (" or --prefix-cache-gb" if prefix else ""))
     n = max_running
     while not fits(n):
