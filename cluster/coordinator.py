@@ -233,7 +233,9 @@ class Coordinator:
 
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
-                "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time()}
+                "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
+                "prefill_tokens": self.core.prefill_tokens,
+                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def shutdown(self):
         self.pipeline.shutdown()

@@ -171,7 +171,10 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
         writer.close()
     ttft = sorted(stats["first_token_s"])
     ttft_text = f", TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms" if ttft else ""
-    print(job.summary(elapsed) + f"{ttft_text}; pp={args.pp} ep={args.ep} transport={args.transport}",
+    prefix = stats["prefix_cache"]
+    prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
+                   f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    print(job.summary(elapsed) + f"{ttft_text}; pp={args.pp} ep={args.ep} transport={args.transport}{prefix_text}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

@@ -395,3 +395,33 @@ def test_a_step_that_may_not_have_reached_the_stages_drops_the_cache():
     seq = reference.add_request("r", later["prompt_token_ids"], SamplingParams(max_tokens=4, temperature=0))
     reference.run_until_done()
     assert again["token_ids"] == seq.result()["token_ids"]
+
+
+@pytest.mark.cluster
+def test_a_batch_job_with_a_shared_preamble_hits(tmp_path, capsys):
+    """deploy.generate, two requests running at a time: the lines that start after the first two share its
+    300-token preamble's first block (256 tokens, the default step chunk); their outputs equal the job's without
+    the cache (tokens; logprobs to float32 noise, since the batches differ), and the summary says how many
+    prompt tokens hit."""
+    from deploy import generate
+
+    g = torch.Generator().manual_seed(9)
+    preamble = torch.randint(0, 2000, (300,), generator=g).tolist()
+    lines = [{"id": i, "prompt_token_ids": preamble + torch.randint(0, 2000, (5 + 3 * i,), generator=g).tolist(),
+              "max_tokens": 5, "logprobs": 1, "ignore_eos": True, **({"temperature": 0} if i % 2 else {"seed": i})}
+             for i in range(6)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def job(name, *flags):
+        out = tmp_path / name
+        assert generate.main(["--model", "tiny-qwen35moe", "--input", str(src), "--output", str(out),
+                              "--max-running", "2", *flags]) == 0
+        return [json.loads(line) for line in out.read_text().splitlines()], capsys.readouterr().err
+
+    without, _ = job("without.jsonl", "--prefix-cache-gb", "0")
+    got, err = job("with.jsonl", "--prefix-cache-gb", "0.25")
+    assert "prefix cache: 1024 of" in err and "(4 requests)" in err, err
+    for a, b in zip(got, without):
+        assert a["token_ids"] == b["token_ids"]
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a["logprobs"], b["logprobs"]))
