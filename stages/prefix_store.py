@@ -51,11 +51,13 @@ class PrefixStore:
             seq_caches = caches[sid]
             if kv:
                 a, b = index * ops.block, (index + 1) * ops.block
-                self.blocks[h] = {i: c.rows(a, b) for i, c in seq_caches.items() if _per_block(c)}
-                self.bytes += _nbytes(self.blocks[h])
+                self._put(self.blocks, h, {i: c.rows(a, b) for i, c in seq_caches.items() if _per_block(c)})
             if snapshot:
-                self.snapshots[h] = {i: c.snapshot() for i, c in seq_caches.items() if not _per_block(c)}
-                self.bytes += _nbytes(self.snapshots[h])
+                self._put(self.snapshots, h, {i: c.snapshot() for i, c in seq_caches.items() if not _per_block(c)})
+
+    def _put(self, table: dict, h: bytes, layers: dict):
+        self.bytes += _nbytes(layers) - _nbytes(table.get(h, {}))
+        table[h] = layers
 
     def clear(self):
         self.blocks.clear()
