@@ -16,7 +16,8 @@ import torch
 from kernels.threads import loading_threads, node_cores, share_of_cores
 from stages.errors import RaymoeError
 from stages.loader import open_model
-from stages.memory import stage_need
+from stages.engine import split_layers
+from stages.memory import GiB, prefix_shares, stage_need
 from stages.stage import Stage, StageWeights
 
 from .shm import SLOTS, Ring, unlink
@@ -31,8 +32,9 @@ def check_gpu_memory(need: int, layers: range, max_running: int):
     free, _ = torch.cuda.mem_get_info()
     if need > free:
         raise RaymoeError(f"layers {layers.start}-{layers.stop - 1} need {need / 2**30:.1f} GiB on their GPU "
-                          f"(weights and caches for --max-running {max_running}), and it has {free / 2**30:.1f} "
-                          "GiB free; use more stages (--pp), a lower --max-running or --max-model-len")
+                          f"(weights, caches for --max-running {max_running} and its share of the prefix cache), and "
+                          f"it has {free / 2**30:.1f} GiB free; use more stages (--pp), a lower --max-running, "
+                          "--max-model-len or --prefix-cache-gb")
 
 
 class ExpertClient:
@@ -100,6 +102,9 @@ class StageActor:
         torch.set_num_threads(args.threads or self.cores)
         model = open_model(args.model, args.max_model_len)
         need = stage_need(model, self.layers, args.dtype, args.step_chunk)
+        ranges = split_layers(model.n_layers, args.pp, args.split)
+        need.prefix_bytes = prefix_shares(model, ranges, args.step_chunk,
+                                          int((args.prefix_cache_gb or 0) * GiB))[ranges.index(self.layers)]
         total = need.weight_bytes
         if args.device == "cuda":
             check_gpu_memory(need.total(args.max_running), self.layers, args.max_running)
@@ -225,13 +230,13 @@ class StageActor:
             self.stage.release(sid)
 
     def reset(self):
-        self.stage.caches.clear()
+        self.stage.reset()
 
     def stats(self) -> dict:
         return {"layers": [self.stage.layers_range.start, self.stage.layers_range.stop],
                 "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
-                "peak_cache_bytes": self.stage.peak_cache_bytes, "threads_used": sorted(self.threads_used),
-                "busy_s": self.busy_s,
+                "peak_cache_bytes": self.stage.peak_cache_bytes, "prefix_cache_bytes": self.stage.prefix.bytes,
+                "threads_used": sorted(self.threads_used), "busy_s": self.busy_s,
                 "pid": os.getpid()}
 
     def ping(self) -> int:

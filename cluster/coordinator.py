@@ -24,7 +24,8 @@ import torch
 from stages.engine import EngineCore
 from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
-from stages.memory import CacheBudget
+from stages.memory import CacheBudget, GiB
+from stages.prefix_cache import prefix_load_off
 from stages.requests import prompt_ids, sampling_params
 from stages.sampling import SamplingParams
 
@@ -68,6 +69,8 @@ class Coordinator:
                                args.prefill_chunk, args.max_running)
         if spec.cache_budget is not None:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
+        # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
+        self.core.use_prefix_cache(model, int((args.prefix_cache_gb or 0) * GiB), args.dtype)
         # a request's sampling values over the job's (deploy.generate flags) over the model's over the built-in ones
         self.model_defaults = SamplingParams.from_dict(model.sampling_defaults)
         self.spec = spec
@@ -188,7 +191,9 @@ class Coordinator:
     def load(self) -> dict:
         """running: sequences holding cache slots; waiting: not yet admitted; queued: waiting for lack
         of a slot (what max_queued bounds); slots: how many sequences can hold caches at once; cache_used:
-        the share of the fullest stage's cache memory that running sequences hold (admission by memory)."""
+        the share of the fullest stage's cache memory that running sequences hold (admission by memory);
+        prefill_tokens: prompt tokens run through the model; prefix_cache: its size, use and hit rate (the
+        share of looked-up prompt tokens that a hit skipped; docs/prefix-cache.md)."""
         if self.error:
             raise RaymoeError(self.error)
         budget, cache_used = self.core.cache_budget, None
@@ -196,7 +201,9 @@ class Coordinator:
             cache_used = round(max(u / b if b else 0.0 for u, b in zip(budget.used, budget.budget)), 4)
         return {"running": self.core.running(), "waiting": len(self.core.waiting), "queued": self.queued(),
                 "slots": self.core.max_running, "cache_used": cache_used, "max_queued": self.max_queued,
-                "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts}
+                "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts,
+                "prefill_tokens": self.core.prefill_tokens,
+                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def check_health(self):
         """Raise RaymoeError naming why the engine cannot serve: it gave up, or work has waited
@@ -210,7 +217,9 @@ class Coordinator:
 
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
-                "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time()}
+                "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
+                "prefill_tokens": self.core.prefill_tokens,
+                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def shutdown(self):
         self.pipeline.shutdown()
@@ -313,6 +322,8 @@ class Coordinator:
             if seq.seq_id in self.core.sequences:
                 seq.error = f"internal error: {type(e).__name__}: {e}"
                 self._finish(seq, "error")
+        if self.core.prefix is not None:     # its step's prefix work may not have reached the stages
+            self.core.prefix.drop_all(self.core.sequences.values())
 
     async def _gather(self, refs):
         results = await asyncio.gather(*refs)
@@ -351,7 +362,8 @@ class Coordinator:
 
     async def _recover(self):
         """A stage (or expert) actor died: drop every in-flight step, replace the dead actors, and let
-        every live sequence recompute its caches from its tokens."""
+        every live sequence recompute its caches from its tokens. The restart empties every stage's prefix
+        store, and forget_caches the index of it."""
         self.in_flight.clear()      # stale steps still queued on live stages run before their reset
         self.restarts += 1
         now = time.monotonic()

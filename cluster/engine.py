@@ -16,7 +16,7 @@ import ray
 
 from stages.errors import RaymoeError
 from stages.loader import open_model
-from stages.memory import fit_running, stage_need
+from stages.memory import GiB, fit_running, prefix_shares, stage_need
 
 from . import watchdog
 from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
@@ -57,6 +57,8 @@ def disconnect_ray():
 
 
 DEFAULT_MAX_RUNNING = 64
+PREFIX_SHARE = 0.1       # of the memory a plan leaves free, the prefix cache's by default
+GPU_PREFIX_GB = 1.0      # the default on GPUs, whose memory Ray does not know (each stage checks its share)
 OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations and logits, not weights
 
 
@@ -73,21 +75,38 @@ def check_gpus(args: EngineArgs):
 def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
     bundles' `memory`, the stages' cache budget and, in spec.args.max_running, how many sequences may run
-    at once (see stages/memory.py). Memory for the running sequences' full-context caches is reserved;
+    at once (see stages/memory.py), and in spec.args.prefix_cache_gb the prefix cache's size (without the flag:
+    PREFIX_SHARE of what the plan leaves free). Memory for the running sequences' full-context caches is reserved;
     without --max-running, when fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING
     sequences still run as long as their own bounds (prompt + max_tokens) fit the same reservation
     (admission by memory). GPU stages hold weights and caches on the device (Ray does not know its memory:
     each stage checks it before loading, StageActor.load); their host memory is a tensor's read buffer."""
-    if spec.args.device == "cuda":
-        spec.args = dataclasses.replace(spec.args, max_running=spec.args.max_running or DEFAULT_MAX_RUNNING)
+    args = spec.args
+    if args.device == "cuda":
+        prefix = GPU_PREFIX_GB if args.prefix_cache_gb is None else args.prefix_cache_gb
+        spec.args = dataclasses.replace(args, max_running=args.max_running or DEFAULT_MAX_RUNNING,
+                                        prefix_cache_gb=prefix)
         return
-    needs = [stage_need(files, r, spec.args.dtype, spec.args.step_chunk) for r in spec.ranges()]
-    nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
-    wanted = spec.args.max_running
-    running = fit_running(needs, nodes or [0], wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
+    needs = [stage_need(files, r, args.dtype, args.step_chunk) for r in spec.ranges()]
+    nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")] or [0]
+
+    def reserve_prefix(gb: float):
+        for need, share in zip(needs, prefix_shares(files, spec.ranges(), args.step_chunk, int(gb * GiB))):
+            need.prefix_bytes = share
+
+    if args.prefix_cache_gb is not None:        # asked for: it must fit beside the running sequences' caches
+        reserve_prefix(args.prefix_cache_gb)
+    wanted = args.max_running
+    running = fit_running(needs, nodes, wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
+    prefix = args.prefix_cache_gb
+    if prefix is None:      # a share of what the plan leaves free, on the whole and on the largest node
+        totals = [need.total(running) for need in needs]
+        free = min(sum(nodes) - sum(totals), max(nodes) - max(totals))
+        prefix = max(0, int(PREFIX_SHARE * free)) / GiB
+        reserve_prefix(prefix)
     spec.stage_memory = [need.total(running) for need in needs]
     spec.cache_budget = [running * need.cache_bytes_per_sequence for need in needs]
-    spec.args = dataclasses.replace(spec.args, max_running=wanted or DEFAULT_MAX_RUNNING)
+    spec.args = dataclasses.replace(args, max_running=wanted or DEFAULT_MAX_RUNNING, prefix_cache_gb=prefix)
 
 
 def show_loading(ref, spec: PipelineSpec):

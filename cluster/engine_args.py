@@ -41,6 +41,7 @@ class EngineArgs:
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
+    prefix_cache_gb: float | None = None     # GiB of prefix cache, all stages (None: a share of free memory; 0: off)
     stall_timeout: float = STALL_TIMEOUT
     chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
     chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)
@@ -92,6 +93,10 @@ class EngineArgs:
         if self.split is not None and not (isinstance(self.split, list) and len(self.split) == self.pp
                                            and all(type(n) is int and n >= 1 for n in self.split)):
             fail("split", f"{self.split!r} must give --pp {self.pp} layer counts of at least 1")
+        if self.prefix_cache_gb is not None and not (isinstance(self.prefix_cache_gb, (int, float))
+                                                     and not isinstance(self.prefix_cache_gb, bool)
+                                                     and 0 <= self.prefix_cache_gb < float("inf")):
+            fail("prefix_cache_gb", f"must be a number of GiB of at least 0, got {self.prefix_cache_gb!r}")
         if not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
             fail("stall_timeout", f"must be positive, got {self.stall_timeout!r}")
         if self.chat_template_kwargs is not None:
@@ -174,6 +179,11 @@ FLAGS = {
                                  help='default variables of the chat template, e.g. \'{"enable_thinking": false}\' '
                                       "(Qwen3.5) or '{\"reasoning_effort\": \"high\"}' (gpt-oss); a request's "
                                       "chat_template_kwargs override them"),
+    "prefix_cache_gb": dict(type=float, metavar="GIB",
+                            help="memory for cached prompt prefixes over all stages, so that a prompt that starts "
+                                 "like an earlier one (a chat's history, a shared preamble) computes only the rest "
+                                 "(default: 10%% of the memory the plan leaves free; 1 GiB with --device cuda; 0: "
+                                 "off; docs/prefix-cache.md)"),
     "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
                                       "(-1: unbounded)"),
 }

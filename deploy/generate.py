@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
-                         "max_model_len", "max_running", "chat_template", "chat_template_kwargs"])
+                         "max_model_len", "max_running", "prefix_cache_gb", "chat_template", "chat_template_kwargs"])
     # sampling defaults of the job; a line's own values override them, and they override the model's
     # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
     p.add_argument("--max-tokens", type=int, default=None, help="default 64")
@@ -174,7 +174,11 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     ttft_text = f", TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms" if ttft else ""
     # the share of the job each stage spent computing: the rest is waiting (its turn, Ray, the coordinator)
     busy = "/".join(f"{100 * min(1.0, s['busy_s'] / max(elapsed, 1e-9)):.0f}%" for s in stats["stages"])
-    print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} transport={args.transport}",
+    prefix = stats["prefix_cache"]
+    prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
+                   f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
+          f"transport={args.transport}{prefix_text}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

@@ -2,7 +2,8 @@
 
 Latencies are measured where the tokens reach the server (the ingress replica): time to first
 token from the request's arrival, inter-token latency between consecutive tokens of a request.
-Queue length and cache slot use are read from the coordinator when /metrics is scraped.
+Queue length, cache slot use and the prefix cache's are read from the coordinator when /metrics is scraped
+(totals since the coordinator started are gauges: they are read, not counted here).
 """
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ class ServerMetrics:
                                 registry=r).labels(**labels)
         self.slots_total = Gauge("raymoe_cache_slots_total", "Sequences that can hold cache slots at once",
                                  ["model"], registry=r).labels(**labels)
+        self.prefix_bytes = Gauge("raymoe_prefix_cache_bytes", "Bytes the prefix cache holds over all stages",
+                                  ["model"], registry=r).labels(**labels)
+        self.prefix_budget = Gauge("raymoe_prefix_cache_budget_bytes", "The prefix cache's size over all stages "
+                                   "(0: off)", ["model"], registry=r).labels(**labels)
+        self.prefix_hit_rate = Gauge("raymoe_prefix_cache_hit_rate", "Share of looked-up prompt tokens a prefix "
+                                     "cache hit skipped, since the server started", ["model"],
+                                     registry=r).labels(**labels)
+        self.prefix_hit_tokens = Gauge("raymoe_prefix_cache_hit_tokens", "Prompt tokens skipped by prefix cache "
+                                       "hits, since the server started", ["model"], registry=r).labels(**labels)
+        self.prefill_tokens = Gauge("raymoe_prefill_tokens", "Prompt tokens run through the model, since the "
+                                    "server started", ["model"], registry=r).labels(**labels)
         self.model = model
 
     def answered(self, endpoint: str, status: int):
@@ -66,6 +78,12 @@ class ServerMetrics:
         self.waiting.set(load["waiting"])
         self.slots_used.set(load["running"])
         self.slots_total.set(load["slots"])
+        prefix = load["prefix_cache"]
+        self.prefix_bytes.set(prefix["bytes"])
+        self.prefix_budget.set(prefix["budget_bytes"])
+        self.prefix_hit_rate.set(prefix["hit_rate"])
+        self.prefix_hit_tokens.set(prefix["hit_tokens"])
+        self.prefill_tokens.set(load["prefill_tokens"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -142,7 +142,8 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
     window = 2 * args.pp
     # caches for a step's chunk and the chunks of those in flight, each of one chunk's length
     engine_args = EngineArgs.from_flags(args, model=path, dtype=mode, max_model_len=args.ctx,
-                                        max_running=min(window, n_chunks), max_batch_tokens=args.batch).resolved()
+                                        max_running=min(window, n_chunks), max_batch_tokens=args.batch,
+                                        prefix_cache_gb=0).resolved()     # no requests: nothing to cache
     spec = pipeline_spec(engine_args, files)
     bar.set_description(f"{mode}: loading")
     with ray_errors(STAGE_DIED):

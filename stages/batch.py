@@ -7,6 +7,22 @@ import torch
 
 
 @dataclass
+class PrefixOps:
+    """A step's prefix-cache work, in the order a stage does it: restore sequences that start from cached
+    blocks, drop evicted blocks, run the step, then store the blocks its chunks completed. Blocks are
+    `block` tokens, named by their hash chain (stages/prefix_index.py)."""
+    block: int
+    clear: bool = False                           # first forget every block (the index was dropped)
+    restore: dict = field(default_factory=dict)   # seq_id -> [block hashes], its caches start from them
+    drop: list = field(default_factory=list)      # block hashes
+    # (seq_id, block index, hash, keys and values?, snapshot?): what to keep of a block the step completed
+    store: list = field(default_factory=list)
+
+    def __bool__(self):
+        return bool(self.clear or self.restore or self.drop or self.store)
+
+
+@dataclass
 class StepBatch:
     seq_ids: list[int]
     start_pos: list[int]          # absolute position of each chunk's first token
@@ -18,6 +34,8 @@ class StepBatch:
     # micro-batches the pipeline computes at once (at most its stages): a stage actor sizes its share of
     # the node's cores by it (kernels.threads.share_of_cores); it changes no result
     computing: int = 1
+    # what the stages do with their prefix caches around this step (stages/prefix_cache.py decides)
+    prefix: PrefixOps | None = None
 
     @property
     def n_tokens(self) -> int:

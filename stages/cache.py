@@ -63,6 +63,29 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.k is None else sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
 
+    # ---- the prefix cache (stages/prefix_store.py) ----------------------------------------------
+    def rows(self, a: int, b: int) -> tuple:
+        """Copies of the keys, values and positions at storage rows a:b: one block of a full-attention
+        layer, whose row i holds position i."""
+        return self.k[a:b].clone(), self.v[a:b].clone(), self.pos[a:b].clone()
+
+    def set_rows(self, blocks: list[tuple]):
+        """Hold the blocks' rows end to end (an empty cache, restored from the prefix cache)."""
+        self.k, self.v, self.pos = (torch.cat([b[j] for b in blocks]) for j in range(3))
+        self.length = self.k.shape[0]
+
+    def snapshot(self) -> tuple:
+        """A sliding layer's whole state: what it holds and its storage size, which decides when the next
+        trim happens (and so which keys later steps attend over, masked or not: the same bits need both)."""
+        return (self.k[:self.length].clone(), self.v[:self.length].clone(), self.pos[:self.length].clone(),
+                self.k.shape[0])
+
+    def restore(self, snap: tuple):
+        k, v, pos, capacity = snap
+        self.length = k.shape[0]
+        self.k, self.v, self.pos = (t.new_empty((capacity,) + t.shape[1:]) for t in (k, v, pos))
+        self.k[:self.length], self.v[:self.length], self.pos[:self.length] = k, v, pos
+
     @staticmethod
     def bytes_for(positions: int, n_kv_head: int, head_dim: int) -> int:
         """What `positions` keys and values in float32, with their positions, take."""
@@ -88,6 +111,14 @@ class DeltaNetCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+
+    def snapshot(self) -> tuple:
+        """Copies of the conv inputs and the state (which may be rows of a decode stack)."""
+        return self.conv.clone(), self.state.clone()
+
+    def restore(self, snap: tuple):
+        self.conv, self.state = (t.clone() for t in snap)
+        self.stacked = None
 
     @staticmethod
     def bytes_for(conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int) -> int:

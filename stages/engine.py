@@ -19,6 +19,7 @@ import logging
 from collections import deque
 
 from .loader import ModelFiles
+from .prefix_cache import PrefixCache
 from .requests import check_prompt
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -50,9 +51,15 @@ class EngineCore:
         self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
         self.max_running = max_running
         self.cache_budget = None         # a stages.memory.CacheBudget: admission by memory, besides max_running
+        self.prefix = None               # a stages.prefix_cache.PrefixCache (use_prefix_cache)
+        self.prefill_tokens = 0          # prompt tokens run through the model (a prefix-cache hit skips its own)
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
+
+    def use_prefix_cache(self, model, budget: int, mode: str):
+        """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
+        self.prefix = PrefixCache.for_model(model, budget, self.groups[0].grid, mode)
 
     def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
@@ -88,9 +95,17 @@ class EngineCore:
                 seq.cache_need = need
             self.waiting.popleft()
             seq.group = group
+            if self.prefix is not None:
+                self.prefix.admit(seq)
             scheduler.running.append(seq)
             running += 1
-        return scheduler.next_batch()
+        planned = scheduler.next_batch()
+        if planned is not None:
+            batch, plan = planned
+            self.prefill_tokens += sum(max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in plan)
+            if self.prefix is not None:
+                self.prefix.plan(batch, plan)
+        return planned
 
     def consume(self, results: list[tuple], plan) -> list[Sequence]:
         """Apply what the last stage sampled for one batch (per chunk: token, its logprobs, prompt logprobs);
@@ -126,21 +141,28 @@ class EngineCore:
             if seq.cache_need is not None:
                 self.cache_budget.give(seq.cache_need)
                 seq.cache_need = None
+        if self.prefix is not None:
+            self.prefix.finish(seq)
         self.sequences.pop(seq.seq_id, None)
 
     def forget_caches(self) -> list[int]:
-        """After a stage lost its state: every live sequence recomputes its caches from its tokens."""
+        """After a stage lost its state: every live sequence recomputes its caches from its tokens, and the
+        prefix cache, which the stages no longer hold, is empty."""
+        if self.prefix is not None:
+            self.prefix.clear()
         for seq in self.sequences.values():
             seq.n_cached = 0
+            seq.prefix_restore = None
         return list(self.sequences)
 
 
 class LocalEngine(EngineCore):
     def __init__(self, model: ModelFiles, n_stages: int = 1, mode: str = "auto",
-                 scheduler: Scheduler | None = None, device: str = "cpu"):
+                 scheduler: Scheduler | None = None, device: str = "cpu", prefix_cache_bytes: int = 0):
         super().__init__(model.config, model.tokenizer)
         if scheduler is not None:
             self.groups = [scheduler]
+        self.use_prefix_cache(model, prefix_cache_bytes, mode)
         self.model = model
         self.stages = [Stage(model, r, mode, device=device) for r in split_layers(model.n_layers, n_stages)]
 

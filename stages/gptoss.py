@@ -207,6 +207,15 @@ def layer_cache_bytes(cfg: GptOssConfig, i: int, length: int | None = None, chun
     return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)
 
 
+def layer_prefix_bytes(cfg: GptOssConfig, i: int, block: int) -> tuple[int, int]:
+    """(bytes per cached block, bytes per snapshot) of layer i in the prefix cache: a full layer keeps the
+    block's keys and values, a sliding layer its whole cache at a block's end (at most twice the window
+    after a step's trim, KVCache.trim)."""
+    if cfg.is_sliding(i):
+        return 0, KVCache.bytes_for(max(2 * cfg.sliding_window, 16), cfg.n_kv_head, cfg.head_dim)
+    return KVCache.bytes_for(block, cfg.n_kv_head, cfg.head_dim), 0
+
+
 def build_layer(cfg: GptOssConfig, w, i: int, remote_experts=None) -> Block:
     """Layer i: attention (sliding on some layers) and the MoE feed-forward in the shared pre-norm block."""
     window = cfg.sliding_window if cfg.is_sliding(i) else None

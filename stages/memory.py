@@ -24,9 +24,10 @@ class StageNeed:
     layers: range
     weight_bytes: int
     cache_bytes_per_sequence: int
+    prefix_bytes: int = 0           # the most this stage holds of the prefix cache (prefix_shares)
 
     def total(self, max_running: int) -> int:
-        return self.weight_bytes + max_running * self.cache_bytes_per_sequence + RUNTIME_BYTES
+        return self.weight_bytes + max_running * self.cache_bytes_per_sequence + self.prefix_bytes + RUNTIME_BYTES
 
 
 def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
@@ -47,6 +48,24 @@ def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) ->
     weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
     caches = sum(model.arch.layer_cache_bytes(model.config, i, chunk=chunk) for i in layers)   # a full context each
     return StageNeed(layers, weights, caches)
+
+
+def prefix_block_bytes(model: ModelFiles, layers: range, block: int) -> tuple[int, int]:
+    """(keys and values of one block of `block` tokens, one snapshot at a block's end) that the prefix cache
+    keeps for these layers (stages/prefix_store.py)."""
+    parts = [model.arch.layer_prefix_bytes(model.config, i, block) for i in layers]
+    return sum(kv for kv, _ in parts), sum(snap for _, snap in parts)
+
+
+def prefix_shares(model: ModelFiles, ranges: list[range], block: int, budget: int) -> list[int]:
+    """The most each stage holds of a prefix cache of `budget` bytes over the whole model: its share of the
+    keys and values or of the snapshots, whichever is larger (the cache may hold only one kind)."""
+    whole = prefix_block_bytes(model, range(model.n_layers), block)
+    shares = []
+    for r in ranges:
+        part = prefix_block_bytes(model, r, block)
+        shares.append(int(budget * max(p / w if w else 0.0 for p, w in zip(part, whole))))
+    return shares
 
 
 class CacheBudget:
@@ -100,11 +119,14 @@ def fit_running(needs: list[StageNeed], node_bytes: list[int], max_running: int,
         n = max_running if explicit else 1
         weights = sum(need.weight_bytes for need in needs)
         cache = sum(need.cache_bytes_per_sequence for need in needs)
+        prefix = sum(need.prefix_bytes for need in needs)
+        prefix_text = f", {prefix / GiB:.2f} GiB of prefix cache" if prefix else ""
         raise RaymoeError(
             f"the model does not fit: its {len(needs)} stage(s) need {sum(need.total(n) for need in needs) / GiB:.1f} "
-            f"GiB ({weights / GiB:.1f} GiB of weights, {cache / GiB:.2f} GiB of cache per sequence x {n}), and Ray "
-            f"has {sum(node_bytes) / GiB:.1f} GiB (largest node {max(node_bytes) / GiB:.1f} GiB); use --pp over more "
-            f"nodes, a smaller --max-running or a smaller --max-model-len")
+            f"GiB ({weights / GiB:.1f} GiB of weights, {cache / GiB:.2f} GiB of cache per sequence x {n}"
+            f"{prefix_text}), and Ray has {sum(node_bytes) / GiB:.1f} GiB (largest node {max(node_bytes) / GiB:.1f} "
+            f"GiB); use --pp over more nodes, a smaller --max-running or a smaller --max-model-len"
+            + (" or --prefix-cache-gb" if prefix else ""))
     n = max_running
     while not fits(n):
         n -= 1

@@ -224,6 +224,14 @@ class DeltaNetMixer:
         return first[0], first[1]
 
 
+def layer_prefix_bytes(cfg: Qwen35MoeConfig, i: int, block: int) -> tuple[int, int]:
+    """(bytes per cached block, bytes per snapshot) of layer i in the prefix cache: a full-attention layer
+    keeps the block's keys and values, a DeltaNet layer its conv inputs and state at a block's end."""
+    if cfg.is_full_attention(i):
+        return KVCache.bytes_for(block, cfg.n_kv_head, cfg.head_dim), 0
+    return 0, layer_cache_bytes(cfg, i)
+
+
 def build_layer(cfg: Qwen35MoeConfig, w, i: int, remote_experts=None) -> Block:
     """Layer i: gated attention or a DeltaNet mixer, and the MoE feed-forward, in the shared pre-norm block."""
     p = f"blk.{i}."

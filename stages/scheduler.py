@@ -23,6 +23,9 @@ class PlannedChunk:
 class Scheduler:
     def __init__(self, max_batch_tokens: int = 512, prefill_chunk: int = 256):
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        # the most tokens of one sequence a step runs; prefill chunks start and end on its multiples
+        # whenever the token budget allows, and are the prefix cache's blocks
+        self.grid = min(max_batch_tokens, prefill_chunk)
         self.running: list[Sequence] = []
 
     def next_batch(self) -> tuple[StepBatch, list[PlannedChunk]] | None:
@@ -31,7 +34,7 @@ class Scheduler:
         for seq in [s for s in self.running if not s.prefilling] + [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
-            start, n = seq.next_chunk(min(budget, self.prefill_chunk))
+            start, n = seq.next_chunk(min(budget, self.prefill_chunk), self.grid)
             chosen.append((seq, start, n))
             budget -= n
         if not chosen:

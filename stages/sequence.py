@@ -24,6 +24,9 @@ class Sequence:
         self.n_cached = 0                # tokens whose effect is in every stage's cache
         self.group: int | None = None    # its micro-batch group once admitted (stages/engine.py)
         self.cache_need: tuple | None = None   # bytes of cache per stage it was admitted with (CacheBudget)
+        self.prefix_chain: list[bytes] | None = None     # its prompt's block names (stages/prefix_cache.py)
+        self.prefix_restore: list[bytes] | None = None   # cached blocks its caches start from, until sent
+        self.prefix_snapshot_at: int | None = None       # a block where it parts from a cached prompt
         self.finish_reason: str | None = None
         self.text = ""
         self.detokenizer = Detokenizer(tokenizer)
@@ -51,9 +54,12 @@ class Sequence:
         """More than one token to run: the prompt, or everything again after a stage lost its caches."""
         return self.n_cached < self.n_tokens - 1
 
-    def next_chunk(self, limit: int) -> tuple[int, int]:
-        """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token."""
-        return self.n_cached, min(limit, self.n_tokens - self.n_cached)
+    def next_chunk(self, limit: int, grid: int) -> tuple[int, int]:
+        """(start, length) of the next tokens to run: the rest of the prompt (up to limit), or one decode token.
+        A chunk never crosses a multiple of `grid`, so a prefill is split at the same positions whether it
+        starts at 0 or after a cached prefix (docs/prefix-cache.md)."""
+        start = self.n_cached
+        return start, min(limit, self.n_tokens - start, grid - start % grid)
 
     def sampling(self, start: int, length: int, row: int, logit_row: int) -> tuple[ChunkSampling, list[int]]:
         """What the last stage computes for the chunk (start, length), whose tokens are batch rows from `row`

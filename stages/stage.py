@@ -15,6 +15,7 @@ from .batch import StepBatch, StepContext
 from .direct_io import finish_reads
 from .errors import ModelFormatError
 from .loader import MODES, ModelFiles, mode_device_error
+from .prefix_store import PrefixStore
 from .sampling import sample_chunks
 
 
@@ -103,15 +104,24 @@ class Stage:
             w.finish()
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
+        self.prefix = PrefixStore()       # its layers' share of the prefix cache
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
         return self.weights.nbytes
 
+    def _new_caches(self) -> dict:
+        return {layer.index: layer.new_cache() for layer in self.layers}
+
     def _caches_for(self, seq_id: int) -> dict:
         if seq_id not in self.caches:
-            self.caches[seq_id] = {layer.index: layer.new_cache() for layer in self.layers}
+            self.caches[seq_id] = self._new_caches()
         return self.caches[seq_id]
+
+    def reset(self):
+        """Forget every sequence's caches and the prefix cache (the coordinator forgets its index too)."""
+        self.caches.clear()
+        self.prefix.clear()
 
     def cache_bytes(self) -> int:
         return sum(c.nbytes() for caches in self.caches.values() for c in caches.values())
@@ -130,11 +140,19 @@ class Stage:
             x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device))
         else:       # a transport that stages through the host hands a CPU tensor to a GPU stage
             x = hidden.to(self.device)
+        ops = batch.prefix
+        if ops:     # restore before dropping: a block this step evicts may be one a sequence starts from
+            if ops.clear:
+                self.prefix.clear()
+            self.caches.update(self.prefix.restore(ops, self._new_caches))
+            self.prefix.drop(ops.drop)
         ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
         with torch_threads_for(batch.n_tokens):
             for layer in self.layers:
                 x = layer(x, ctx)
+            if ops:
+                self.prefix.store(ops, self.caches)
             # a few attribute reads per sequence and layer: negligible next to the step
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes())
             if not self.last:

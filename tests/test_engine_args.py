@@ -28,6 +28,8 @@ JOB = ["--input", "in.jsonl", "--output", "out.jsonl"]
     ({"max_running": 0}, "--max-running"), ({"max_model_len": 0}, "--max-model-len"),
     ({"stall_timeout": 0}, "--stall-timeout"), ({"pp": "2"}, "--pp"),
     ({"scripted_outputs": {"hi": ["x"]}}, "--scripted-outputs"),
+    ({"prefix_cache_gb": -1}, "--prefix-cache-gb"), ({"prefix_cache_gb": "1"}, "--prefix-cache-gb"),
+    ({"prefix_cache_gb": float("nan")}, "--prefix-cache-gb"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag(changes, flag):
     with pytest.raises(RaymoeError) as e:

@@ -107,11 +107,13 @@ def test_plan_memory_reserves_full_contexts_and_runs_more_short_ones(model, monk
     need = stage_need(model, range(model.n_layers), "auto")
     node = need.weight_bytes + RUNTIME_BYTES + 5 * need.cache_bytes_per_sequence + 1000     # 5 full contexts fit
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"memory": node}}])
-    spec = PipelineSpec(EngineArgs(model.path), model.n_layers, model.config.n_expert)
+    # without a prefix cache, which takes a share of what is left (test_prefix_cache.py)
+    spec = PipelineSpec(EngineArgs(model.path, prefix_cache_gb=0), model.n_layers, model.config.n_expert)
     plan_memory(model, spec)
     assert spec.args.max_running == DEFAULT_MAX_RUNNING
     assert spec.cache_budget == [5 * need.cache_bytes_per_sequence] and spec.stage_memory == [need.total(5)]
-    spec = PipelineSpec(EngineArgs(model.path, max_running=3), model.n_layers, model.config.n_expert)
+    spec = PipelineSpec(EngineArgs(model.path, max_running=3, prefix_cache_gb=0), model.n_layers,
+                        model.config.n_expert)
     plan_memory(model, spec)
     assert spec.args.max_running == 3                                 # asked for: exactly that
     assert spec.cache_budget == [3 * need.cache_bytes_per_sequence]
