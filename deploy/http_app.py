@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.api_schema import openapi_document
 from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
@@ -195,6 +196,7 @@ class RaymoeServer:
 
     async def __init__(self, args: dict | ServeArgs):
         self._stopping: asyncio.Future | None = None
+        self._openapi: dict | None = None
         args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
         self.serving = Serving(args)
         self.grpc_server = None
@@ -209,6 +211,16 @@ class RaymoeServer:
             await self.grpc_server.start()
 
     # ---- HTTP -------------------------------------------------------------------------------------
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        """This server's OpenAPI document (deploy/api_schema.py): open, as /health is."""
+        if self._openapi is None:
+            s = self.serving
+            self._openapi = openapi_document(api, model_name=s.model_name, tokenizer=s.tokenizer, vocab=s.vocab,
+                                             context_length=s.context_length, max_messages=s.args.max_messages,
+                                             api_key=s.api_key is not None)
+        return JSONResponse(self._openapi)
+
     @api.get("/v1/models")
     async def list_models(self, request: Request):
         s = self.serving
