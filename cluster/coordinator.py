@@ -222,7 +222,14 @@ class Coordinator:
                 "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def shutdown(self):
-        self.pipeline.shutdown()
+        """Stop the scheduler loop (were it to see the stages die, it would restart them), then the
+        pipeline's actors. Requests submitted after this are refused."""
+        self.error = self.error or "the engine was shut down"
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
+            self.pipeline = None
 
     # ---- the loop ---------------------------------------------------------------------------
     def _launch(self):

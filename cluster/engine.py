@@ -7,6 +7,7 @@ requests, stream their tokens, cancel them.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -223,9 +224,24 @@ class ClusterEngine:
         """{"running", "waiting", "queued", "slots", "max_queued", ...}: see Coordinator.load."""
         return await self._acall(self.coordinator.load.remote())
 
-    def shutdown(self):
+    def shutdown(self, timeout: float = 60):
+        """Stop the pipeline's actors, then the coordinator (idempotent)."""
         try:
-            ray.get(self.coordinator.shutdown.remote(), timeout=60)
+            ray.get(self.coordinator.shutdown.remote(), timeout=timeout)
         except Exception:
             pass
-        ray.kill(self.coordinator)
+        self._kill_coordinator()
+
+    async def shutdown_async(self, timeout: float = 3):
+        """shutdown() for a server's event loop: waits up to timeout for the pipeline's actors to stop."""
+        try:
+            await asyncio.wait_for(self.coordinator.shutdown.remote(), timeout)
+        except Exception:       # timed out, or gone: killing the coordinator ends its actors with it
+            pass
+        self._kill_coordinator()
+
+    def _kill_coordinator(self):
+        try:
+            ray.kill(self.coordinator, no_restart=True)
+        except Exception:
+            pass

@@ -3,7 +3,7 @@
 The Serve ingress replica (deploy.http_app.RaymoeServer) runs a grpc.aio server with a
 RaymoeServicer over its `Serving` (the engine, tokenizer and metrics the HTTP routes use too). Errors map to gRPC status
 codes: bad request INVALID_ARGUMENT, unknown model NOT_FOUND, queue full RESOURCE_EXHAUSTED,
-pipeline down UNAVAILABLE, no or wrong API key UNAUTHENTICATED (metadata `authorization: Bearer
+pipeline down or server shutting down UNAVAILABLE, no or wrong API key UNAUTHENTICATED (metadata `authorization: Bearer
 KEY`), anything else INTERNAL. A client that cancels a stream frees its sequence at once.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def logprobs_pb(entries) -> list:
 async def _abort(grpc_context, e: APIError):
     """Ends the call with the status of `e` (raises)."""
     code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
-    if e.code == "unavailable":
+    if e.code in ("unavailable", "shutting_down"):
         code = grpc.StatusCode.UNAVAILABLE
     await grpc_context.abort(code, e.message)
 

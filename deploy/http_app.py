@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.api_schema import openapi_document
 from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
                                usage_chunk)
-from deploy.serving import Generation, ServeArgs, Serving
+from deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from stages.chat import load_chat_template
 from stages.errors import RaymoeError
@@ -73,9 +74,12 @@ class GenerationStream(StreamingResponse):
         self.generations = generations
 
     async def __call__(self, scope, receive, send):
+        serving = self.generations[0].serving
+        serving.responding += 1          # Serving.stop waits for the last events to be sent
         try:
             await super().__call__(scope, receive, send)
         finally:
+            serving.responding -= 1
             for generation in self.generations:
                 generation.abort()
 
@@ -178,16 +182,21 @@ async def _internal_error(request, e: Exception):
 
 
 # A replica that cannot start (a model whose weights do not load) fails the application at once,
-# rather than being retried without end.
+# rather than being retried without end. Stopping (docs/shutdown.md): Serve waits for the requests in flight,
+# looking every graceful_shutdown_wait_loop_s, then awaits __del__ (RaymoeServer.stop), and kills the replica
+# graceful_shutdown_timeout_s after it began; `python -m deploy.serve` calls stop() first, so that streams
+# in flight end with an error event rather than be cut.
 @serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
                   health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,
-                  max_constructor_retry_count=1)
+                  graceful_shutdown_wait_loop_s=0.25, max_constructor_retry_count=1)
 @serve.ingress(api)
 class RaymoeServer:
     """The ingress: one replica per pipeline (the pipeline's actors are its children). It also runs
     the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
 
     async def __init__(self, args: dict | ServeArgs):
+        self._stopping: asyncio.Future | None = None
+        self._openapi: dict | None = None
         args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
         self.serving = Serving(args)
         self.grpc_server = None
@@ -202,6 +211,16 @@ class RaymoeServer:
             await self.grpc_server.start()
 
     # ---- HTTP -------------------------------------------------------------------------------------
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        """This server's OpenAPI document (deploy/api_schema.py): open, as /health is."""
+        if self._openapi is None:
+            s = self.serving
+            self._openapi = openapi_document(api, model_name=s.model_name, tokenizer=s.tokenizer, vocab=s.vocab,
+                                             context_length=s.context_length, max_messages=s.args.max_messages,
+                                             api_key=s.api_key is not None)
+        return JSONResponse(self._openapi)
+
     @api.get("/v1/models")
     async def list_models(self, request: Request):
         s = self.serving
@@ -244,6 +263,8 @@ class RaymoeServer:
 
     @api.get("/health")
     async def health(self):
+        if self.serving.stopping:
+            return error_response(shutting_down())
         try:
             await self.serving.engine.check_health_async()
             load = await self.serving.load()
@@ -324,17 +345,27 @@ class RaymoeServer:
     async def check_health(self):
         await self.serving.load(timeout=30)    # raises when the coordinator is gone or gave up
 
-    def __del__(self):
-        grpc_server, self.grpc_server = getattr(self, "grpc_server", None), None
-        if grpc_server is not None:
-            try:     # stops listening now; calls in flight get a second
-                asyncio.get_running_loop().create_task(grpc_server.stop(grace=1))
-            except RuntimeError:
-                pass     # no loop: the process is exiting, and its sockets close with it
-        serving = getattr(self, "serving", None)
-        if serving is not None:
-            self.serving = None
-            serving.shutdown()
+    async def stop(self):
+        """Stop serving, once (later calls wait for the first): gRPC stops taking calls, new HTTP requests
+        get 503 "shutting_down", the requests in flight end with that error (a stream: an error event, then
+        [DONE]; a gRPC call: UNAVAILABLE), then the engine's actors stop. Takes at most about STOP_GRACE_S
+        plus the engine's shutdown timeout (cluster.engine.ClusterEngine.shutdown_async)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self):
+        stopping = []
+        if self.grpc_server is not None:     # refuses new calls at once; cancels what is left after the grace
+            stopping.append(asyncio.ensure_future(self.grpc_server.stop(grace=STOP_GRACE_S)))
+        await self.serving.stop()
+        await asyncio.gather(*stopping)
+
+    async def __del__(self):
+        """Serve's ingress wrapper awaits this as Serve stops the replica, once its requests have ended
+        (were they not to end, Serve kills the replica graceful_shutdown_timeout_s after it began)."""
+        if getattr(self, "serving", None) is not None:
+            await self.stop()
 
 
 def app_builder(args: ServeArgs):

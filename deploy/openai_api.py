@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from stages.chat import check_template_kwargs
 from stages.errors import RequestError
 from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from stages.requests import chat_prompt, check_prompt
@@ -22,7 +23,7 @@ STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 # Every error carries a code: the status's default below unless a more precise one
 # is given (context_length_exceeded, unsupported_parameter, unknown_parameter, invalid_body, json_too_deep,
-# too_many_messages, model_not_found, queue_full, unhealthy).
+# too_many_messages, model_not_found, queue_full, unhealthy, shutting_down).
 ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 500: "internal_error", 503: "unavailable"}
 UNSUPPORTED = "unsupported_parameter"
@@ -130,9 +131,11 @@ def _bool(body: dict, name: str, default=False) -> bool:
 
 
 def _unsupported(body: dict, name: str, allowed=(None,)):
+    """400 unless the field is absent or one of `allowed`, the values that ask for nothing (of the same
+    JSON type: true is not 1)."""
     value = body.get(name)
-    if value not in allowed and not (isinstance(value, (list, dict)) and not value):
-        raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name,
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise APIError(400, f"{name} is not supported by this server (got {repr(value)[:100]})", param=name,
                        code=UNSUPPORTED)
 
 
@@ -210,9 +213,8 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
     """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
     check_fields(body, COMPLETION_FIELDS)
     stream, include_usage, n = _common(body, served_model)
-    _unsupported(body, "suffix")
-    if body.get("best_of") not in (None, 1):
-        raise APIError(400, f"best_of must be 1, got {body.get('best_of')!r}", param="best_of", code=UNSUPPORTED)
+    _unsupported(body, "suffix", allowed=(None, ""))
+    _unsupported(body, "best_of", allowed=(None, 1))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]            # a batch of one
@@ -246,10 +248,17 @@ def parse_completion(body: dict, served_model: str, tokenizer, context_length: i
                     return_token_ids=_bool(body, "return_token_ids"), n=n)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's (the template may take fewer)
+
+
 def _message_content(message, i: int):
     """OpenAI content: a string, or a list of text parts (joined)."""
     if not isinstance(message, dict):
         raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {repr(role)[:40]}",
+                       param="messages")
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -284,7 +293,14 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True,
                        tools=tools.template_tools() if tools else None)
     _check_length(ids, context_length, vocab, "messages")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    for name in ("max_completion_tokens", "max_tokens"):      # both checked, whichever applies (the first)
+        value = body.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= context_length):
+            raise APIError(400, f"{name} must be an integer in [1, {context_length}] (the model's context), "
+                                f"got {repr(value)[:40]}", param=name)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     # no limit given: generate until the model stops or the context is full (as OpenAI does)
     request = {"prompt_token_ids": ids, **_sampling(body, context_length if max_tokens is None else max_tokens)}
     logprobs = None
@@ -350,6 +366,16 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
     prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
     check_fields(body, TOKENIZE_FIELDS)
     _common_tokenize(body, served_model)
+    # every field is checked, whether or not it applies (the chat's with a prompt, add_special_tokens with a chat)
+    add_special_tokens = _bool(body, "add_special_tokens", True)
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    return_token_strs = _bool(body, "return_token_strs")
+    template_kwargs = _template_kwargs(body)
+    if template_kwargs is not None:
+        try:
+            check_template_kwargs(template_kwargs)
+        except RequestError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise APIError(400, "send exactly one of prompt (text) and messages (a chat)",
@@ -362,7 +388,7 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
             ids = tokenizer.encode(prompt)
         except RequestError as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
-        if not _bool(body, "add_special_tokens", True) and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
+        if not add_special_tokens and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
             ids = ids[1:]
     else:
         messages = body["messages"]
@@ -370,10 +396,10 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
             raise APIError(400, "messages must be a non-empty list", param="messages")
         messages = [_message_content(m, i) for i, m in enumerate(messages)]
         tools = _tools({"tools": body.get("tools")})
-        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=add_generation_prompt,
                            tools=tools.template_tools() if tools else None)
     out = {"count": len(ids), "max_model_len": context_length, "tokens": ids}
-    if _bool(body, "return_token_strs"):
+    if return_token_strs:
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
     return out
 

@@ -17,7 +17,8 @@ metadata; /health and /metrics stay open (they show load, no content) for probes
 The app tokenizes prompts itself and submits token ids, so a seeded request gives exactly the
 tokens deploy.generate gives for the same line. A client that disconnects or cancels frees its
 sequence at once; when more than `max_queued` sequences wait for a cache slot, new requests get
-503 (HTTP) / RESOURCE_EXHAUSTED (gRPC).
+503 (HTTP) / RESOURCE_EXHAUSTED (gRPC). SIGTERM or SIGINT stops it within seconds: requests in flight end
+with 503 "shutting_down" (a stream: an error event, then [DONE]; gRPC: UNAVAILABLE); docs/shutdown.md.
 
 This module is the command line; the HTTP app is deploy/http_app.py, the serving core deploy/serving.py.
 """
@@ -36,6 +37,10 @@ from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES, ServeAr
 from stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
+# SIGTERM/SIGINT: how long the replica gets to end its requests and stop its engine (RaymoeServer.stop), and
+# Serve's controller to stop everything after that (serve.shutdown alone would wait up to 30 s); docs/shutdown.md
+STOP_TIMEOUT_S = 6.0
+SERVE_SHUTDOWN_TIMEOUT_S = 6.0
 __all__ = ["app_builder", "ServeArgs", "main"]    # app_builder: `serve run deploy.serve:app_builder`, Serve configs
 
 
@@ -78,6 +83,31 @@ class _Stop(BaseException):
     """Raised in the main thread by SIGINT/SIGTERM."""
 
 
+def stop_replica(handle, timeout_s: float = STOP_TIMEOUT_S):
+    """RaymoeServer.stop() on the replica: the requests in flight end with 503 "shutting_down" (streams
+    with an error event and [DONE]) while Serve's proxy still carries them; then its engine stops. Serve,
+    left alone, would wait for them up to graceful_shutdown_timeout_s, kill the proxy at once and the
+    replica after that, cutting every stream."""
+    try:
+        handle.options(method_name="stop").remote().result(timeout_s=timeout_s)
+    except Exception as e:
+        print(f"warning: stopping the replica: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def shutdown_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S):
+    """serve.shutdown(), waiting at most timeout_s for Serve's controller to stop its actors (serve.shutdown
+    waits up to 30 s; ray.shutdown, which follows, stops whatever is left)."""
+    try:
+        from ray.serve.context import _disconnect, _get_global_client
+        client = _get_global_client(raise_if_no_controller_running=False)
+    except (ImportError, TypeError):        # a Ray whose internals differ: its own wait
+        serve.shutdown()
+        return
+    if client is not None:
+        client.shutdown(timeout_s=timeout_s)
+    _disconnect()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     serve_args = ServeArgs.from_flags(args)
@@ -111,11 +141,12 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False
+    handle = None
     code = 0
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         started_serve = True
-        serve.run(app_builder(serve_args), name=args.app_name, route_prefix="/")
+        handle = serve.run(app_builder(serve_args), name=args.app_name, route_prefix="/")
         host = _url_host(args.host)
         grpc_text = f", gRPC on {host}:{args.grpc_port}" if args.grpc_port else ""
         auth = "API key required" if serve_args.api_key else "no authentication"
@@ -132,18 +163,37 @@ def main(argv=None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):      # a second signal no longer interrupts the cleanup
             signal.signal(sig, signal.SIG_IGN)
         print("shutting down", file=sys.stderr, flush=True)
+        steps = [("", time.monotonic())]       # how long each step took, in the last line
+        if handle is not None:
+            stop_replica(handle)
+            steps.append(("replica", time.monotonic()))
         if started_serve:
             try:
                 if ray_was_up or os.environ.get("RAY_ADDRESS"):
                     serve.delete(args.app_name)            # a shared cluster: remove only what we added
                 else:
-                    serve.shutdown()
+                    shutdown_serve()
             except Exception as e:
                 print(f"warning: serve shutdown: {e}", file=sys.stderr)
+            steps.append(("Serve", time.monotonic()))
         if not ray_was_up:
             ray.shutdown()
+            steps.append(("Ray", time.monotonic()))
+        each = ", ".join(f"{name} {t - before:.1f} s" for (_, before), (name, t) in zip(steps, steps[1:]))
+        print(f"stopped in {steps[-1][1] - steps[0][1]:.1f} s" + (f" ({each})" if each else ""), file=sys.stderr,
+              flush=True)
     return code
 
 
+def _exit(code: int):
+    """Exit now that everything is stopped: the exit handlers, then no interpreter teardown (with torch,
+    Ray and gRPC loaded it takes 1-3 s on two busy cores, and there is nothing left to free)."""
+    import atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -21,7 +21,7 @@ from stages.errors import RaymoeError, RequestError
 MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
 MAX_MESSAGES = 1024
-
+STOP_GRACE_S = 2.0                    # stopping: how long requests in flight get to end before the engine stops
 
 
 @pydantic.dataclasses.dataclass(config=pydantic.ConfigDict(extra="forbid"))     # a misspelt arg fails
@@ -51,19 +51,38 @@ class ServeArgs(EngineArgs):
         return self.served_model_name or self.model
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or later", code="shutting_down")
+
+
 class Generation:
     """One submitted sequence: its updates as they come, with the latency metrics; abort() cancels
-    it in the coordinator (a no-op once it finished)."""
+    it in the coordinator (a no-op once it finished). When the server stops (Serving.stop), its updates
+    end with APIError 503 "shutting_down"."""
 
     def __init__(self, serving: "Serving", seq_id: int, arrived: float):
         self.serving, self.seq_id, self.arrived = serving, seq_id, arrived
         self.done = False
         self.last_token_at: float | None = None
         serving.metrics.in_flight.inc()
+        serving.live.add(self)
 
     async def updates(self):
+        try:
+            async for update in self._updates():
+                yield update
+        except Exception:
+            if not self.serving.stopping:
+                raise
+            self._close("shutdown", None)       # the engine stopped under it (Serving.stop)
+            raise shutting_down() from None
+
+    async def _updates(self):
         m = self.serving.metrics
         async for update in self.serving.engine.stream(self.seq_id):
+            if self.serving.stopping and update.get("finished", {}).get("finish_reason") == "abort":
+                self._close("shutdown", update["finished"])     # cancelled by Serving.stop
+                raise shutting_down()
             now = perf_counter()
             n = len(update["token_ids"])
             if n:
@@ -88,6 +107,7 @@ class Generation:
     def _close(self, reason: str, result: dict | None):
         if not self.done:
             self.done = True
+            self.serving.live.discard(self)
             self.serving.metrics.in_flight.dec()
             self.serving.metrics.done(reason, result, perf_counter() - self.arrived)
 
@@ -111,6 +131,10 @@ class Serving:
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.api_key = args.api_key.encode() if args.api_key else None
+        self.live: set[Generation] = set()        # generations not yet finished
+        self.responding = 0                       # HTTP event streams still sending
+        self.stopping = False
+        self._stop_task: asyncio.Task | None = None
 
     def authorized(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header (or gRPC metadata) value carries the API key, if one is set."""
@@ -142,6 +166,8 @@ class Serving:
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
         """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""
         from cluster.engine import QueueFullError
+        if self.stopping:
+            raise shutting_down()
         submitting = asyncio.ensure_future(self.engine.submit_async(request_id, engine_request))
         try:
             seq_id = await asyncio.shield(submitting)
@@ -155,7 +181,12 @@ class Serving:
         except RaymoeError as e:
             raise APIError(503, f"the pipeline is unavailable: {e}", code="unavailable") from None
         except Exception as e:   # the coordinator gave up (see Coordinator.error) or died
+            if self.stopping:
+                raise shutting_down() from None
             raise APIError(503, f"the pipeline is unavailable: {type(e).__name__}: {e}", code="unavailable") from None
+        if self.stopping:        # stop() began while this was submitted: it did not see it
+            self.engine.cancel(seq_id)
+            raise shutting_down()
         return Generation(self, seq_id, arrived)
 
     def _cancel_when_submitted(self, task):
@@ -167,8 +198,22 @@ class Serving:
         self.metrics.set_load(load)
         return load
 
-    def shutdown(self):
-        self.engine.shutdown()
+    async def stop(self, grace_s: float = STOP_GRACE_S):
+        """Stop serving, once (later calls wait for the first): new requests get 503 "shutting_down", the
+        generations in flight are cancelled and end with that error (a stream: an error event, then
+        [DONE]); after up to grace_s for them and for the event streams to be sent, the engine stops."""
+        self.stopping = True
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(grace_s))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, grace_s: float):
+        for generation in list(self.live):
+            self.engine.cancel(generation.seq_id)
+        deadline = time.monotonic() + grace_s
+        while (self.live or self.responding) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.engine.shutdown_async()
 
 
 _CONTAINERS = frozenset((dict, list))
