@@ -188,6 +188,20 @@ class DetokenizeResponse(_Closed):
     prompt: str
 
 
+class PrefixCacheLoad(_Closed):
+    """The prefix cache's size and use (stages/prefix_cache.py; all zero when it is off)."""
+    budget_bytes: int
+    bytes: int
+    blocks: int
+    block_tokens: int
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+    hit_rate: float
+
+
 class Health(_Closed):
     """The engine's load (cluster.coordinator.Coordinator.load)."""
     status: Literal["ok"]
@@ -201,6 +215,8 @@ class Health(_Closed):
     sequences: int
     steps: int
     restarts: int
+    prefill_tokens: int
+    prefix_cache: PrefixCacheLoad
 
 
 RESPONSES = [ErrorResponse, Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList,

@@ -164,6 +164,12 @@ def main(argv=None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         print("shutting down", file=sys.stderr, flush=True)
         steps = [("", time.monotonic())]       # how long each step took, in the last line
+        if handle is None and started_serve:
+            # a signal inside serve.run, which can return well after the app answers requests on busy cores
+            try:
+                handle = serve.get_app_handle(args.app_name)
+            except Exception:
+                handle = None           # no application (it failed to deploy): nothing to stop
         if handle is not None:
             stop_replica(handle)
             steps.append(("replica", time.monotonic()))

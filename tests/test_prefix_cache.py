@@ -5,6 +5,7 @@ never takes a block a sequence is about to restore, and outputs stay exact; a st
 without changing outputs; /health and /metrics show it."""
 import asyncio
 import json
+import re
 
 import pytest
 import torch
@@ -421,7 +422,10 @@ def test_a_batch_job_with_a_shared_preamble_hits(tmp_path, capsys):
 
     without, _ = job("without.jsonl", "--prefix-cache-gb", "0")
     got, err = job("with.jsonl", "--prefix-cache-gb", "0.25")
-    assert "prefix cache: 1024 of" in err and "(4 requests)" in err, err
+    # the lines after the first two hit the preamble's block; the second may too, when the job submits it after
+    # the first has stored it (its admission step depends on when the job reads it)
+    hit = re.search(r"prefix cache: (\d+) of \d+ prompt tokens hit \((\d+) requests\)", err)
+    assert hit and int(hit[2]) in (4, 5) and int(hit[1]) == 256 * int(hit[2]), err
     for a, b in zip(got, without):
         assert a["token_ids"] == b["token_ids"]
         assert all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a["logprobs"], b["logprobs"]))
