@@ -140,14 +140,7 @@ def _unsupported(body: dict, name: str, allowed=(None,)):
 
 
 def _common(body: dict, served_model: str):
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {model!r}", param="model")
-    if model and model != served_model:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
-                            f"(see GET /v1/models)", param="model", code="model_not_found")
+    _common_tokenize(body, served_model)
     n = body.get("n")
     if n is None:
         n = 1
@@ -419,6 +412,7 @@ def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: i
 
 
 def _common_tokenize(body: dict, served_model: str):
+    """A JSON object naming no model, or this server's (every endpoint's first check)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_body")
     model = body.get("model")

@@ -32,6 +32,7 @@ import time
 import torch
 
 from kernels.threads import node_cores
+from tools.bench import timed
 
 REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
 ENGINES = ("llama.cpp", "llama.cpp-half", "raymoe", "generate", "generate-pp2")
@@ -40,12 +41,6 @@ VOCAB = 2000          # prompt ids drawn below it: real tokens of the synthetic 
 # targets (decode): raymoe / llama.cpp with n_threads = cores, per model; the product path / the engine; PP=2 / PP=1
 ENGINE_TARGET = {"gpt-oss-20b": 1.15, "qwen3.5-35b-a3b": 1.4}
 PRODUCT_TARGET = {"gpt-oss-20b": 1.1, "qwen3.5-35b-a3b": 1.3}
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def random_ids(n: int, seed: int) -> list[int]:
