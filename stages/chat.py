@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import RaymoeError, RequestError
+from .errors import RaymoeError, RequestError, check_json_size
 from .tools import history_tool_calls
 
 # chat_template_kwargs (per request, or a server's default): extra variables of the template, such as
@@ -191,13 +191,9 @@ def check_template_kwargs(kwargs, name: str = "chat_template_kwargs") -> dict:
             raise RequestError(f"{name}: {key!r} is not a template variable name")
         if key in RESERVED_TEMPLATE_VARIABLES:
             raise RequestError(f"{name}: {key!r} is set by the server, not by {name}")
-    try:
-        size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8"))
-    except (TypeError, ValueError) as e:
-        raise RequestError(f"{name} must hold JSON values ({_one_line(e)})") from None
-    if size > MAX_TEMPLATE_KWARGS_BYTES:
-        raise RequestError(f"{name} is {size} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES} are allowed")
+    check_json_size(kwargs, name, MAX_TEMPLATE_KWARGS_BYTES)
     return dict(kwargs)
+
 
 
 def load_chat_template(value: str | None) -> str | None:

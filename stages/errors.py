@@ -11,3 +11,14 @@ class ModelFormatError(RaymoeError):
 
 class RequestError(RaymoeError):
     """A single request that cannot be served (bad prompt, bad sampling values)."""
+
+
+def check_json_size(value, name: str, limit: int):
+    """RequestError unless the request field `name` holds JSON values of at most `limit` bytes."""
+    import json
+    try:
+        size = len(json.dumps(value, ensure_ascii=False).encode("utf-8"))
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"{name} must hold JSON values ({' '.join(str(e).split())})") from None
+    if size > limit:
+        raise RequestError(f"{name} is {size} bytes as JSON; at most {limit} are allowed")

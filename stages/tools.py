@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .errors import RequestError
+from .errors import RequestError, check_json_size
 
 MAX_TOOLS = 128                      # OpenAI's own bound
 MAX_TOOLS_BYTES = 256 * 1024         # the tools as JSON: they are rendered into every prompt of the request
@@ -97,12 +97,7 @@ def check_tools(tools) -> tuple:
         raise RequestError(f"tools must be a list of function tools, got {type(tools).__name__}")
     if len(tools) > MAX_TOOLS:
         raise RequestError(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed")
-    try:
-        size = len(json.dumps(tools, ensure_ascii=False).encode("utf-8"))
-    except (TypeError, ValueError) as e:
-        raise RequestError(f"tools must hold JSON values ({e})") from None
-    if size > MAX_TOOLS_BYTES:
-        raise RequestError(f"tools is {size} bytes as JSON; at most {MAX_TOOLS_BYTES} are allowed")
+    check_json_size(tools, "tools", MAX_TOOLS_BYTES)
     out, seen = [], set()
     for i, tool in enumerate(tools):
         tool = _check_tool(tool, i)
