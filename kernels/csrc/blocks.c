@@ -786,10 +786,49 @@ INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
     return u;
 }
 
+/* rows_a for Q8_0 and one activation row, one block per 256-bit half: the same lanes and operations
+ * (so the same bits), without the permutes that gather two blocks' bytes and scales into one register
+ * (measured 1.13-1.18x on one core; with more rows the permutes are shared and this is no faster). */
+INLINE void row_q8_0(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y) {
+    const int64_t groups = k / 64, lanes = row * xq->lanes;
+    const int8_t *q = xq->q + row * xq->kq;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const uint8_t *ahead = w + PREFETCH_BYTES;
+    uint8_t tail[68] __attribute__((aligned(64)));
+    for (int64_t c = 0; c <= groups; c++) {
+        const uint8_t *p = w + c * 68;
+        if (c == groups) { /* an odd last block: the second is zero padded (its q are zero) */
+            if (!(k / 32 % 2)) break;
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, p, 34);
+            p = tail;
+        } else {
+            ahead = prefetch_ahead(ahead, p + 68);
+        }
+        const int64_t lane = lanes + 16 * c;
+        const __m256i u0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), flip);
+        const __m256i u1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 36)), flip);
+        const __m256i s0 = _mm256_dpbusd_epi32(_mm256_load_si256((const __m256i *)(xq->lane_corr + lane)), u0,
+                                               _mm256_load_si256((const __m256i *)(q + 64 * c)));
+        const __m256i s1 = _mm256_dpbusd_epi32(_mm256_load_si256((const __m256i *)(xq->lane_corr + lane + 8)), u1,
+                                               _mm256_load_si256((const __m256i *)(q + 64 * c + 32)));
+        const __m256 d0 = _mm256_set1_ps(f16(rd16(p))), d1 = _mm256_set1_ps(f16(rd16(p + 34)));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, _mm256_load_ps(xq->lane_d + lane)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_load_ps(xq->lane_d + lane + 8)), acc1);
+    }
+    const __m512d both = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(acc0)), _mm256_castps_pd(acc1), 1);
+    *y = _mm512_reduce_add_ps(_mm512_castpd_ps(both));
+}
+
 /* y[i * ldy] = x[row + i] . w for i < nr: per group, dpbusd sums u * q per block in its lanes
  * (from -off * sum q, the offset), scaled per lane by dw * dx; the mins add dm * dx * sum q. */
 INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
                    int64_t ldy, const group_index *ix) {
+    if (t == Q8_0 && nr == 1) {
+        row_q8_0(w, k, xq, row, y);
+        return;
+    }
     const int g = group_blocks(t), bb = block_bytes(t), size = g * bb;
     const int64_t groups = k / 32 / g;
     __m512 acc[4];
