@@ -38,7 +38,7 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
        Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 
 #define QK 256            /* elements of a K-quant super-block */
-#define NR 4              /* weight rows per parallel work item */
+#define NR 16             /* weight rows per parallel work item (the fast kernels run them in one call) */
 #define TILE 64           /* weight rows dequantised at once for many-row products */
 /* Far enough ahead in the weight stream that the lines arrive before use (few_rows.c measured
  * 4-16 KB best here; the hardware prefetcher alone is slower). Each line is prefetched twice:
@@ -829,33 +829,40 @@ INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
         row_q8_0(w, k, xq, row, y);
         return;
     }
-    const int g = group_blocks(t), bb = block_bytes(t), size = g * bb;
+    const int g = group_blocks(t), bb = block_bytes(t), size = g * bb, left = (int)(k / 32 % g);
     const int64_t groups = k / 32 / g;
+    const group_index gx = *ix; /* in registers: the loop below calls nothing that could change it */
+    const int32_t *corr[4];
+    const float *ld[4], *lds[4];
+    const int8_t *qr[4];
     __m512 acc[4];
-    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < nr; i++) {
+        acc[i] = _mm512_setzero_ps();
+        corr[i] = xq->lane_corr + (row + i) * xq->lanes;
+        ld[i] = xq->lane_d + (row + i) * xq->lanes;
+        lds[i] = xq->lane_ds + (row + i) * xq->lanes;
+        qr[i] = xq->q + (row + i) * xq->kq;
+    }
     const uint8_t *ahead = w + PREFETCH_BYTES;
     uint8_t tail[128] __attribute__((aligned(64)));
-    for (int64_t c = 0; c <= groups; c++) {
+    for (int64_t c = 0; c < groups + (left > 0); c++) {
         const uint8_t *p = w + c * size;
         if (c == groups) { /* the last blocks short of a group: zero padded (their q are zero) */
-            const int left = (int)(k / 32 % g);
-            if (!left) break;
             memset(tail, 0, sizeof tail);
             memcpy(tail, p, (size_t)(left * bb));
             p = tail;
         } else {
             ahead = prefetch_ahead(ahead, p + size);
         }
-        const group_a u = unpack_group(t, p, ix);
+        const group_a u = unpack_group(t, p, &gx);
         for (int i = 0; i < nr; i++) {
-            const int64_t r = row + i, lane = r * xq->lanes + 16 * c;
-            const int8_t *q = xq->q + r * xq->kq + 64 * (c * g / 2);
-            __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(xq->lane_corr + lane), u.lo, _mm512_load_si512(q));
+            const int8_t *q = qr[i] + 64 * (c * g / 2);
+            __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(corr[i] + 16 * c), u.lo, _mm512_load_si512(q));
             if (g == 4) s = _mm512_dpbusd_epi32(s, u.hi, _mm512_load_si512(q + 64));
-            const __m512 dx = _mm512_load_ps(xq->lane_d + lane); /* dw dx, rounded once either way */
+            const __m512 dx = _mm512_load_ps(ld[i] + 16 * c); /* dw dx, rounded once either way */
             const __m512 scale = t == MXFP4 ? _mm512_scalef_ps(dx, u.d) : _mm512_mul_ps(u.d, dx);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
-            if (has_min_a(t)) acc[i] = _mm512_fmadd_ps(u.m, _mm512_load_ps(xq->lane_ds + lane), acc[i]);
+            if (has_min_a(t)) acc[i] = _mm512_fmadd_ps(u.m, _mm512_load_ps(lds[i] + 16 * c), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
@@ -974,6 +981,14 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
         acc[i] = _mm512_setzero_ps();
         accm[i] = _mm256_setzero_ps();
     }
+    const int8_t *qr[4];
+    const int16_t *bsr[4];
+    const float *dr[4];
+    for (int i = 0; i < nr; i++) { /* each row's activations (locals: kept in registers through the loop) */
+        qr[i] = xq->q + (row + i) * xq->kq;
+        bsr[i] = xq->bsum + (row + i) * (k / 16);
+        dr[i] = xq->d + (row + i) * xq->nb;
+    }
     const uint8_t *ahead = w + PREFETCH_BYTES;
     for (int64_t b = 0; b < k / QK; b++) {
         ahead = prefetch_ahead(ahead, w + (b + 1) * bb);
@@ -981,14 +996,17 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
         unpack_kr(t, w + b * bb, &c);
         const __m512 dw = _mm512_set1_ps(c.dw);
         for (int i = 0; i < nr; i++) {
-            const int64_t r = row + i;
-            const int8_t *q = xq->q + r * xq->kq + QK * b;
-            const __m256i bsum = _mm256_loadu_si256((const __m256i *)(xq->bsum + r * (k / 16) + 16 * b));
-            __m512i s = _mm512_setzero_si512();
+            const int8_t *q = qr[i] + QK * b;
+            const __m256i bsum = _mm256_loadu_si256((const __m256i *)(bsr[i] + 16 * b));
+            __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(); /* two chains, summed exactly */
             if (has_offset_k(t)) s = _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, c.offsc));
-            for (int z = 0; z < 4; z++)
+            for (int z = 0; z < 4; z += 2) {
                 s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(c.u[z], _mm512_loadu_si512(q + 64 * z)), c.sc[z]);
-            const __m512 dx = _mm512_set1_ps(xq->d[r * xq->nb + b]);
+                s2 = _mm512_dpwssd_epi32(s2, _mm512_maddubs_epi16(c.u[z + 1], _mm512_loadu_si512(q + 64 * z + 64)),
+                                         c.sc[z + 1]);
+            }
+            s = _mm512_add_epi32(s, s2);
+            const __m512 dx = _mm512_set1_ps(dr[i][b]);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[i]);
             if (has_min_k(t)) {
                 const __m256 dmdx = _mm256_mul_ps(_mm256_set1_ps(c.dm), _mm512_castps512_ps256(dx));
@@ -1007,14 +1025,18 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
     }
 }
 
-/* One function per (type, rows at once), so that both are constants inside. */
-typedef void (*rows_fn)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy,
-                        const group_index *ix);
+/* One function per (type, rows at once), so that both are constants inside; each runs nw weight rows
+ * (ws bytes apart) into y[0 .. nw), one after another: the setup is paid once per call, not per row
+ * (Qwen3.5's expert down rows are two super-blocks long). */
+typedef void (*rows_fn)(const uint8_t *w, int64_t nw, int64_t ws, int64_t k, const quantized_x *xq, int64_t row,
+                        float *y, int64_t ldy, const group_index *ix);
 
-#define ROWS_A(T, N) static void rows_a_##T##_##N(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, \
-                                                   float *y, int64_t ldy, const group_index *ix) { rows_a(T, N, w, k, xq, row, y, ldy, ix); }
-#define ROWS_K(T, N) static void rows_k_##T##_##N(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, \
-                                                   float *y, int64_t ldy, const group_index *ix) { (void)ix; rows_k(T, N, w, k, xq, row, y, ldy); }
+#define ROWS_A(T, N) static void rows_a_##T##_##N(const uint8_t *w, int64_t nw, int64_t ws, int64_t k, const quantized_x *xq, \
+                                                   int64_t row, float *y, int64_t ldy, const group_index *ix) { \
+    for (int64_t j = 0; j < nw; j++) rows_a(T, N, w + j * ws, k, xq, row, y + j, ldy, ix); }
+#define ROWS_K(T, N) static void rows_k_##T##_##N(const uint8_t *w, int64_t nw, int64_t ws, int64_t k, const quantized_x *xq, \
+                                                   int64_t row, float *y, int64_t ldy, const group_index *ix) { \
+    (void)ix; for (int64_t j = 0; j < nw; j++) rows_k(T, N, w + j * ws, k, xq, row, y + j, ldy); }
 #define FOUR(M, T) M(T, 1) M(T, 2) M(T, 3) M(T, 4)
 FOUR(ROWS_A, Q8_0) FOUR(ROWS_A, MXFP4) FOUR(ROWS_A, Q4_0) FOUR(ROWS_A, Q4_1) FOUR(ROWS_A, Q5_0) FOUR(ROWS_A, Q5_1)
 FOUR(ROWS_K, Q2_K) FOUR(ROWS_K, Q3_K) FOUR(ROWS_K, Q4_K) FOUR(ROWS_K, Q5_K) FOUR(ROWS_K, Q6_K)
@@ -1041,10 +1063,12 @@ static rows_fn rows_kernel(int t, int n) {
     }
 }
 
-/* Rows a..b of the activations times weight row w, into y[i * ldy]: four rows at a time. */
-static void rows_fast(int t, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
-                      int64_t ldy, const group_index *ix) {
-    for (int64_t i = a; i < b; i += 4) rows_kernel(t, b - i < 4 ? (int)(b - i) : 4)(w, k, xq, i, y + i * ldy, ldy, ix);
+/* Rows a..b of the activations times nw weight rows from w (ws bytes apart), into y[i * ldy + j]: four
+ * activation rows at a time. */
+static void rows_fast(int t, const uint8_t *w, int64_t nw, int64_t ws, int64_t k, const quantized_x *xq, int64_t a,
+                      int64_t b, float *y, int64_t ldy, const group_index *ix) {
+    for (int64_t i = a; i < b; i += 4)
+        rows_kernel(t, b - i < 4 ? (int)(b - i) : 4)(w, nw, ws, k, xq, i, y + i * ldy, ldy, ix);
 }
 
 #elif ARCH == 1
@@ -1283,6 +1307,16 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             }
             const int64_t *group = groups + 3 * (item / blocks);
             const int64_t r0 = item % blocks * NR, r1 = r0 + NR < n ? r0 + NR : n;
+#if ARCH == 2
+            if (mode) { /* the item's rows in runs that lie in one weight (raw, then raw2) */
+                for (int64_t r = r0, end; r < r1; r = end) {
+                    end = r < wr.n1 && r1 > wr.n1 ? wr.n1 : r1;
+                    rows_fast(t, weight_row(&wr, group[0], r), end - r, row_bytes, k, &xq, group[1], group[2], y + r,
+                              ldy, &ix);
+                }
+                continue;
+            }
+#endif
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *w = weight_row(&wr, group[0], r);
                 if (mode == 0) {
@@ -1296,9 +1330,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
                     for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_f32(x + i * ldx, wf, k);
                     continue;
                 }
-#if ARCH == 2
-                rows_fast(t, w, k, &xq, group[1], group[2], y + r, ldy, &ix);
-#else
+#if ARCH != 2
                 if (mode == 1) {
                     unpack_row_a(t, w, k, &wa);
                     for (int64_t i = group[1]; i < group[2]; i++) y[i * ldy + r] = dot_a(t, &wa, &xq, i, k);
