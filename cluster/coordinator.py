@@ -66,7 +66,8 @@ class Coordinator:
         model = open_model(args.model, args.max_model_len)
         args.configure_chat(model.tokenizer)
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
-                               args.prefill_chunk, args.max_running)
+                               args.prefill_chunk, args.max_running,
+                               args.itl_target_ms / 1000 if args.itl_target_ms else None)
         if spec.cache_budget is not None:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp

@@ -38,6 +38,7 @@ class EngineArgs:
     microbatches: int | None = 4             # micro-batch groups (None: pp); 4 gives the same outputs at every pp
     max_batch_tokens: int = 512              # tokens per micro-batch
     prefill_chunk: int = 256                 # a long prompt's tokens per step
+    itl_target_ms: float | None = None       # while sequences decode, prompt chunks shrink to keep tokens this close
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
@@ -97,6 +98,10 @@ class EngineArgs:
                                                      and not isinstance(self.prefix_cache_gb, bool)
                                                      and 0 <= self.prefix_cache_gb < float("inf")):
             fail("prefix_cache_gb", f"must be a number of GiB of at least 0, got {self.prefix_cache_gb!r}")
+        if self.itl_target_ms is not None and not (isinstance(self.itl_target_ms, (int, float))
+                                                   and not isinstance(self.itl_target_ms, bool)
+                                                   and 0 < self.itl_target_ms < float("inf")):
+            fail("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
         if not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
             fail("stall_timeout", f"must be positive, got {self.stall_timeout!r}")
         if self.chat_template_kwargs is not None:
@@ -184,6 +189,10 @@ FLAGS = {
                                  "like an earlier one (a chat's history, a shared preamble) computes only the rest "
                                  "(default: 10%% of the memory the plan leaves free; 1 GiB with --device cuda; 0: "
                                  "off; docs/prefix-cache.md)"),
+    "itl_target_ms": dict(type=float, metavar="MS",
+                          help="while sequences decode, cut the prompt tokens of the steps ahead of their next token "
+                               "to what keeps it within MS milliseconds (measured step costs; shorter inter-token "
+                               "latency for a longer time to first token; default: no bound)"),
     "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
                                       "(-1: unbounded)"),
 }

@@ -25,6 +25,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stage import Stage
+from .step_budget import PrefillBudget
 
 log = logging.getLogger("raymoe.engine")
 
@@ -45,8 +46,10 @@ def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -
 
 class EngineCore:
     def __init__(self, config, tokenizer, n_groups: int = 1, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int = 64):
+                 max_running: int = 64, itl_target_s: float | None = None):
         self.config, self.tokenizer = config, tokenizer
+        # while sequences decode, the prompt tokens of the steps in flight are bounded by this target
+        self.prefill_budget = PrefillBudget(itl_target_s) if itl_target_s else None
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
         self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
         self.max_running = max_running
@@ -99,10 +102,15 @@ class EngineCore:
                 self.prefix.admit(seq)
             scheduler.running.append(seq)
             running += 1
-        planned = scheduler.next_batch()
+        limit = None
+        if self.prefill_budget is not None and any(g.decoding() for g in self.groups):
+            limit = self.prefill_budget.allowance(sum(1 for g in self.groups if g.running))
+        planned = scheduler.next_batch(limit)
         if planned is not None:
             batch, plan = planned
             self.prefill_tokens += sum(max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in plan)
+            if self.prefill_budget is not None:
+                self.prefill_budget.planned(plan, sum(c.length for c in plan if c.length > 1))
             if self.prefix is not None:
                 self.prefix.plan(batch, plan)
         return planned
@@ -111,6 +119,8 @@ class EngineCore:
         """Apply what the last stage sampled for one batch (per chunk: token, its logprobs, prompt logprobs);
         returns the finished sequences (their caches in the stages are the caller's to release). A sequence
         whose update raised is among them, with its error set."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.done(plan)
         finished = []
         for c, result in zip(plan, results):
             seq = c.seq
@@ -150,6 +160,8 @@ class EngineCore:
         prefix cache, which the stages no longer hold, is empty."""
         if self.prefix is not None:
             self.prefix.clear()
+        if self.prefill_budget is not None:
+            self.prefill_budget.forget_in_flight()
         for seq in self.sequences.values():
             seq.n_cached = 0
             seq.prefix_restore = None

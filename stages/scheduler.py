@@ -28,15 +28,24 @@ class Scheduler:
         self.grid = min(max_batch_tokens, prefill_chunk)
         self.running: list[Sequence] = []
 
-    def next_batch(self) -> tuple[StepBatch, list[PlannedChunk]] | None:
+    def decoding(self) -> bool:
+        return any(not s.prefilling for s in self.running)
+
+    def next_batch(self, prefill_limit: int | None = None) -> tuple[StepBatch, list[PlannedChunk]] | None:
+        """The next step: every decode, then prompt chunks up to the token budget, and up to prefill_limit
+        prompt tokens when given (stages/step_budget.py)."""
         budget = self.max_batch_tokens
+        prompt_left = budget if prefill_limit is None else prefill_limit
         chosen = []
         for seq in [s for s in self.running if not s.prefilling] + [s for s in self.running if s.prefilling]:
-            if budget <= 0:
+            limit = min(budget, self.prefill_chunk, prompt_left if seq.prefilling else budget)
+            if limit <= 0:
                 break
-            start, n = seq.next_chunk(min(budget, self.prefill_chunk), self.grid)
+            start, n = seq.next_chunk(limit, self.grid)
             chosen.append((seq, start, n))
             budget -= n
+            if seq.prefilling:
+                prompt_left -= n
         if not chosen:
             return None
         plan, sampling, logit_rows, row = [], [], [], 0

@@ -30,6 +30,8 @@ JOB = ["--input", "in.jsonl", "--output", "out.jsonl"]
     ({"scripted_outputs": {"hi": ["x"]}}, "--scripted-outputs"),
     ({"prefix_cache_gb": -1}, "--prefix-cache-gb"), ({"prefix_cache_gb": "1"}, "--prefix-cache-gb"),
     ({"prefix_cache_gb": float("nan")}, "--prefix-cache-gb"),
+    ({"itl_target_ms": 0}, "--itl-target-ms"), ({"itl_target_ms": "500"}, "--itl-target-ms"),
+    ({"itl_target_ms": float("inf")}, "--itl-target-ms"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag(changes, flag):
     with pytest.raises(RaymoeError) as e:
