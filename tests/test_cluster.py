@@ -76,6 +76,15 @@ def test_expert_parallel_is_bit_identical(reference):
     assert results == expected
 
 
+def test_an_itl_target_reaches_the_scheduler(reference):
+    """--itl-target-ms at 1 ms (far below any step here): while sequences decode, prompts go on in the
+    smallest chunks, so the same requests take more steps, and every one still completes."""
+    model, expected, stats = reference
+    results, bounded = run(model, pp=2, itl_target_ms=1)
+    assert all("error" not in r and r["token_ids"] for r in results)
+    assert bounded["prefill_tokens"] == stats["prefill_tokens"] and bounded["steps"] > stats["steps"]
+
+
 def test_a_stage_alone_takes_every_core_and_busy_stages_share_them(reference):
     """Without --threads, at PP=2 on one node: a 250-token prompt alone in the pipeline is prefilled with
     every core of each stage in turn; its decode steps, too small to share out (PARALLEL_MIN_BYTES), on one
