@@ -3,6 +3,12 @@ concurrent clients; prints requests/s, generated tokens/s, and TTFT and inter-to
 
     python -m tools.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
     python -m tools.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
+    python -m tools.bench_serve --turns 6 --concurrency 8 [--compare-cache]            # multi-turn chats
+
+With --turns, each client holds a chat conversation of that many turns over /v1/chat/completions: a shared
+system preamble (--history-words), then its own user messages, each turn sending the whole history back
+with the previous answer, as chat clients and agents do. Per turn it prints TTFT p50/p99; --compare-cache
+(local server only) runs it with the prefix cache at its default and off, and prints the ratios.
 
 TTFT is from sending the request to the first chunk that carries a token; inter-token latency is the
 gap between consecutive token-carrying chunks of a request (per token). Every client sends its next
@@ -25,10 +31,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def one_request(session, url: str, body: dict) -> dict:
+async def one_request(session, url: str, body: dict, path: str = "/v1/completions") -> dict:
     start = time.perf_counter()
-    ttft, gaps, tokens, last = None, [], 0, None
-    async with session.post(url + "/v1/completions", json=body) as response:
+    ttft, gaps, tokens, last, text = None, [], 0, None, []
+    async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
         async for raw in response.content:
@@ -38,6 +44,7 @@ async def one_request(session, url: str, body: dict) -> dict:
             chunk = json.loads(line[5:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
+            text += [c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
             n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
             if not n:
                 continue
@@ -48,7 +55,7 @@ async def one_request(session, url: str, body: dict) -> dict:
                 gaps.extend([(now - last) / n] * n)
             last = now
             tokens += n
-    return {"ttft": ttft, "itl": gaps, "tokens": tokens}
+    return {"ttft": ttft, "itl": gaps, "tokens": tokens, "text": "".join(text)}
 
 
 async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int):
@@ -79,6 +86,55 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
             "itl_p50_ms": 1000 * percentile(itls, 50), "itl_p99_ms": 1000 * percentile(itls, 99)}
 
 
+async def run_conversations(url: str, model: str, clients: int, turns: int, max_tokens: int, prompt_words: int,
+                            history_words: int) -> dict:
+    """`clients` conversations of `turns` turns at once; TTFT per turn, generated tokens/s over the run."""
+    import aiohttp
+
+    preamble = "You answer questions about words. " + " ".join(f"rule{j % 97} says word{j % 53}"
+                                                              for j in range(history_words // 4))
+    per_turn = [[] for _ in range(turns)]
+    tokens = 0
+
+    async def conversation(session, c: int):
+        nonlocal tokens
+        messages = [{"role": "system", "content": preamble}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": " ".join(f"word{(c * 31 + turn * 7 + j) % 50}"
+                                                                 for j in range(prompt_words))})
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0,
+                    "seed": c * 100 + turn, "stream": True, "return_token_ids": True}
+            result = await one_request(session, url, body, "/v1/chat/completions")
+            per_turn[turn].append(result["ttft"])
+            tokens += result["tokens"]
+            messages.append({"role": "assistant", "content": result["text"]})
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*[conversation(session, c) for c in range(clients)])
+        elapsed = time.perf_counter() - start
+    return {"clients": clients, "turns": turns, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "ttft_ms": [{"p50": 1000 * percentile([t for t in ts if t is not None], 50),
+                         "p99": 1000 * percentile([t for t in ts if t is not None], 99)} for ts in per_turn]}
+
+
+def conversation_table(run: dict) -> str:
+    lines = [f"{run['clients']} clients x {run['turns']} turns: {run['seconds']:.1f} s, "
+             f"{run['tokens_per_s']:.1f} generated tok/s", f"{'turn':>4} {'TTFT p50':>10} {'TTFT p99':>10}"]
+    lines += [f"{i + 1:>4} {t['p50']:>8.1f}ms {t['p99']:>8.1f}ms" for i, t in enumerate(run["ttft_ms"])]
+    return "\n".join(lines)
+
+
+def cache_ratios(on: dict, off: dict) -> str:
+    """How much the prefix cache gained: throughput, and TTFT p50 over the turns after the first."""
+    later = slice(1, None)
+    ttft_on = sum(t["p50"] for t in on["ttft_ms"][later]) or float("nan")
+    ttft_off = sum(t["p50"] for t in off["ttft_ms"][later])
+    return (f"prefix cache on / off: generated tok/s {on['tokens_per_s'] / off['tokens_per_s']:.2f}x, "
+            f"TTFT p50 of turns 2-{on['turns']} {ttft_off / ttft_on:.2f}x lower")
+
+
 def table(rows: list[dict]) -> str:
     head = f"{'clients':>7} {'requests':>8} {'req/s':>7} {'gen tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} " \
            f"{'ITL p50':>8} {'ITL p99':>8}"
@@ -96,6 +152,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_local(args, name: str, **overrides) -> str:
+    """A local Serve application of the model (Ray started by the caller); returns its URL."""
+    from ray import serve
+
+    from deploy.serve import ServeArgs, app_builder
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None, grpc_port=0, **overrides)), name=name,
+              route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
 def main(argv=None) -> int:
     from cluster.engine_args import add_engine_flags
     from deploy.serve import ServeArgs
@@ -103,50 +171,69 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
-    add_engine_flags(p, ["pp", "microbatches"], ServeArgs)      # of the local server
+    add_engine_flags(p, ["pp", "microbatches", "prefix_cache_gb", "itl_target_ms"], ServeArgs)   # of the local server
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16, help="requests per level at least")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=16)
-    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--turns", type=int, default=0, help="multi-turn chats of this many turns (0: single requests)")
+    p.add_argument("--history-words", type=int, default=1200, help="the chats' shared system preamble, in words")
+    p.add_argument("--compare-cache", action="store_true",
+                   help="with --turns and a local server: run again with the prefix cache off, print the ratios")
+    p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.compare_cache and (args.url or not args.turns):
+        p.error("--compare-cache needs --turns and a local server (no --url)")
 
-    url, model, started = args.url, args.model, False
-    if url is None:
-        from ray import serve
-
-        from cluster.engine import connect_ray
-        from deploy.serve import app_builder
-        connect_ray(args.pp)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None, grpc_port=0)), name="raymoe-bench", route_prefix="/")
-        url, started = f"http://127.0.0.1:{port}", True
-    else:
-        import urllib.request
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/models") as r:
-            model = json.loads(r.read())["data"][0]["id"]
-    try:
+    def measure(url: str, model: str):
+        if args.turns:
+            return [asyncio.run(run_conversations(url, model, c, args.turns, args.max_tokens, args.prompt_words,
+                                                  args.history_words)) for c in levels]
         asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words))          # warm-up
         rows = []
         for c in levels:
             n = max(args.min_requests, c * args.requests_per_client)
             rows.append(asyncio.run(run_level(url, model, c, n, args.max_tokens, args.prompt_words)))
             print(f"{c} clients done", file=sys.stderr)
-    finally:
-        if started:
-            import ray
-            from ray import serve
+        return rows
+
+    results = {}
+    if args.url:
+        import urllib.request
+        with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models") as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        results["server"] = measure(args.url, model)
+    else:
+        import ray
+        from ray import serve
+
+        from cluster.engine import connect_ray
+        connect_ray(args.pp)
+        model = args.model
+        try:
+            runs = [("cache on", {}), ("cache off", {"prefix_cache_gb": 0})] if args.compare_cache else [("local", {})]
+            for i, (label, overrides) in enumerate(runs):
+                if i:
+                    serve.shutdown()        # the previous configuration's application and proxy
+                results[label] = measure(start_local(args, f"raymoe-bench-{i}", **overrides), model)
+        finally:
             serve.shutdown()
             ray.shutdown()
-    print(f"serving benchmark: {model}, pp={args.pp}, microbatches={args.microbatches or args.pp}, streaming /v1/completions, max_tokens {args.max_tokens}, "
-          f"{args.prompt_words}-word prompts, temperature 1 (lengths vary: EOS ends some early)")
-    print(table(rows))
+    kind = f"{args.turns}-turn chats, {args.history_words}-word shared preamble" if args.turns else \
+        f"streaming /v1/completions, {args.prompt_words}-word prompts"
+    print(f"serving benchmark: {model}, pp={args.pp}, microbatches={args.microbatches or args.pp}, {kind}, max_tokens "
+          f"{args.max_tokens}, temperature 1 (lengths vary: EOS ends some early)")
+    for label, rows in results.items():
+        print(f"-- {label}")
+        print("\n".join(conversation_table(r) for r in rows) if args.turns else table(rows))
+    if args.compare_cache:
+        for on, off in zip(results["cache on"], results["cache off"]):
+            print(f"{on['clients']} clients: {cache_ratios(on, off)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(results, f, indent=2)
     return 0
 
 
