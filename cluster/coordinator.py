@@ -26,7 +26,7 @@ from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
 from stages.memory import CacheBudget, GiB
 from stages.prefix_cache import prefix_load_off
-from stages.requests import prompt_ids, sampling_params
+from stages.requests import line_grammar, prompt_ids, sampling_params
 from stages.sampling import SamplingParams
 
 from .outputs import Outputs
@@ -120,9 +120,11 @@ class Coordinator:
         job = {k: v for k, v in (defaults or {}).items() if v is not None}
         params = sampling_params(request, SamplingParams.from_dict(job, self.model_defaults), config.context_length,
                                  config.vocab)
+        ids = prompt_ids(request, self.core.tokenizer)
+        params.grammar = line_grammar(request, self.core.tokenizer, ids)
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
-        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        seq = self.core.add_request(request_id, ids, params)
         if self.scripts:
             seq.script = self.script_for(seq.prompt_ids)
         if self.max_queued is not None and self.queued() > self.max_queued:

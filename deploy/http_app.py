@@ -20,6 +20,7 @@ from deploy.grpc_service import RaymoeServicer
 from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
                                usage_chunk)
+from deploy.responses_api import ResponseItems, error_event, parse_responses, response_body, response_sse
 from deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
 from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
 from stages.chat import load_chat_template
@@ -238,6 +239,11 @@ class RaymoeServer:
     async def chat_completions(self, request: Request):
         return await self._generate("chat", request, parse_chat)
 
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API over the chat path (deploy/responses_api.py)."""
+        return await self._generate("responses", request, parse_responses)
+
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation request would get them."""
@@ -302,11 +308,15 @@ class RaymoeServer:
         try:
             prompt_text = s.tokenizer.decode(p.prompt_ids) if p.echo else ""
             if p.stream:
-                response = GenerationStream(self._events(p, generations, prompt_text), generations)
+                events = self._response_events(p, generations[0]) if p.kind == "response" else \
+                    self._events(p, generations, prompt_text)
+                response = GenerationStream(events, generations)
                 s.metrics.answered(endpoint, 200)
                 return response
             results = await asyncio.gather(*(g.result() for g in generations))
-            if p.kind == "chat":
+            if p.kind == "response":
+                body = response_body(p, results[0])
+            elif p.kind == "chat":
                 body = chat_response(p, results, s.token_text)
             else:
                 body = completion_response(p, results, s.token_text, prompt_text)
@@ -340,6 +350,26 @@ class RaymoeServer:
             log.exception("stream failed")
             yield sse(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
         yield SSE_DONE
+
+    async def _response_events(self, p, generation: Generation):
+        """A Responses stream: its events as named SSE events, ending with response.completed (or
+        response.incomplete, or an error event)."""
+        items = ResponseItems(p)
+        try:
+            for event in items.start():
+                yield response_sse(event)
+            async for update in generation.updates():
+                for event in items.update(update):
+                    yield response_sse(event)
+        except APIError as e:
+            yield response_sse(error_event(e, items.sequence))
+        except Exception as e:     # the pipeline failed mid-stream: say so in the stream
+            if client_gone(e):
+                log.info("client disconnected from a stream (%s)", type(e).__name__)
+                return
+            log.exception("stream failed")
+            yield response_sse(error_event(APIError(500, f"generation failed: {type(e).__name__}: {e}"),
+                                           items.sequence))
 
     # ---- Serve hooks -------------------------------------------------------------------------------
     async def check_health(self):

@@ -16,6 +16,7 @@ from stages.errors import RequestError
 from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from stages.requests import chat_prompt, check_prompt
 from stages.sampling import MAX_N, SamplingParams, choice_seed
+from stages.structured import output_grammar, response_schema
 from stages.tool_calls import TOOL_CALLS, chat_parsers, split_message, tool_calls_reader
 from stages.tools import TOOL_FIELDS, ToolRequest, tool_request
 
@@ -33,7 +34,7 @@ UNKNOWN = "unknown_parameter"
 # One policy for every endpoint (docs/chat.md, "Request fields"): a field the endpoint does not know is
 # refused with a 400 naming it (code unknown_parameter), as OpenAI's own API refuses one, so that a
 # misspelt or unsupported option never passes silently. Each known field is honoured, or refused when
-# set to what this server cannot do (the legacy functions, a response_format, ...: code
+# set to what this server cannot do (the legacy functions, ...: code
 # unsupported_parameter), or, for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping,
 # accepted and ignored.
 IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier"))
@@ -110,6 +111,7 @@ class Prepared:
     parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py); each
                                         # choice's answer goes through a fresh() one
     tools: ToolRequest | None = None    # chat with tools (stages/tools.py): calls are read from the answers
+    response_fields: dict = field(default_factory=dict)   # /v1/responses: what its body echoes of the request
     created: int = field(default_factory=lambda: int(time.time()))
 
     def choice_requests(self) -> list[dict]:
@@ -273,10 +275,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
     for name in ("functions", "function_call"):     # the legacy form of tools: send tools and tool_choice
         _unsupported(body, name, allowed=(None, "none"))
     tools = _tools(body)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
-                       code=UNSUPPORTED)
+    schema = _structured(response_schema, body.get("response_format"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
@@ -302,6 +301,9 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
         request["logprobs"] = logprobs
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    grammar = _structured(output_grammar, tokenizer, ids, schema, tools)
+    if grammar is not None:
+        request["grammar"] = grammar
     _validate_sampling(request, vocab)
     parser, calls = chat_parsers(tokenizer, ids, tools)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
@@ -317,6 +319,15 @@ def _tools(body: dict) -> ToolRequest | None:
         message = str(e)
         param = next((name for name in TOOL_FIELDS if message.startswith(name)), "tools")
         raise APIError(400, message, param=param) from None
+
+
+def _structured(build, *args):
+    """build(*args) (stages/structured.py), its RequestError a 400 naming the field it is about."""
+    try:
+        return build(*args)
+    except RequestError as e:
+        message = str(e)
+        raise APIError(400, message, param="tools" if message.startswith("tools") else "response_format") from None
 
 
 REASONING_EFFORTS = ("low", "medium", "high")

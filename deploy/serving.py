@@ -157,10 +157,11 @@ class Serving:
         if _depth(body) > args.max_json_depth:
             raise APIError(400, f"the request body nests deeper than --max-json-depth ({args.max_json_depth})",
                            code="json_too_deep")
-        messages = body.get("messages") if isinstance(body, dict) else None
-        if isinstance(messages, list) and len(messages) > args.max_messages:
-            raise APIError(400, f"messages has {len(messages)} entries, more than --max-messages "
-                                f"({args.max_messages})", param="messages", code="too_many_messages")
+        for name in ("messages", "input"):     # a chat's messages, a response's input items
+            messages = body.get(name) if isinstance(body, dict) else None
+            if isinstance(messages, list) and len(messages) > args.max_messages:
+                raise APIError(400, f"{name} has {len(messages)} entries, more than --max-messages "
+                                    f"({args.max_messages})", param=name, code="too_many_messages")
         return parse(body, self.model_name, self.tokenizer, self.context_length, self.vocab)
 
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:

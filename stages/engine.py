@@ -26,6 +26,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .stage import Stage
 from .step_budget import PrefillBudget
+from .structured import check_grammar
 
 log = logging.getLogger("raymoe.engine")
 
@@ -67,6 +68,8 @@ class EngineCore:
     def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
         params.validate(vocab=self.config.vocab)      # token ids of logit_bias and stop_token_ids
+        if params.grammar is not None:
+            check_grammar(params.grammar, self.tokenizer)
         seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
                        self.config.context_length)
         if self.cache_budget is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .chat import ChatPrompt, check_template_kwargs, render_chat
 from .errors import RequestError
 from .sampling import SamplingParams
+from .structured import output_grammar, response_schema
 from .tools import tool_request
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -65,3 +66,15 @@ def sampling_params(request: dict, defaults: SamplingParams, context_length: int
         raise RequestError(f"n must be 1 in an engine request (one result per request: send one line per "
                            f"sample, with different seeds), got {repr(n)[:40]}")
     return SamplingParams.from_dict(request, defaults, context_length, vocab)
+
+
+def line_grammar(request: dict, tokenizer, ids: list[int]) -> str | None:
+    """The grammar of a request's structured output (stages/structured.py): from its `response_format` and a
+    `tool_choice` that forces a call (a batch line's keys; a `messages` line's output in the model's chat
+    format), or its own `grammar` (what the server sends, having built it the same way); None for neither."""
+    schema = response_schema(request.get("response_format"))
+    tools = tool_request(request) if "messages" in request else None
+    grammar = output_grammar(tokenizer, ids, schema, tools, chat="messages" in request)
+    if grammar is not None and request.get("grammar") is not None:
+        raise RequestError("a request takes grammar or response_format (and tool_choice), not both")
+    return grammar if grammar is not None else request.get("grammar")

@@ -9,7 +9,9 @@ Before temperature, a row's logits may be adjusted (adjust_logits, in vLLM's ord
 added, then the repetition penalty on every token seen in the prompt or the output, then the
 frequency and presence penalties from the output's token counts. The sequence's history travels
 with its ChunkSampling (only when a penalty is set), so the last stage keeps no state of its own and
-a restarted stage samples the same. After temperature and top-k, min_p drops the tokens whose
+a restarted stage samples the same. A grammar (structured outputs, stages/structured.py) then leaves
+only the tokens it allows: its matcher lives on the last stage but is rebuilt from the same history
+whenever it is not in step with it. After temperature and top-k, min_p drops the tokens whose
 probability is below min_p times the best token's; then top-p. Greedy (temperature 0) takes the
 argmax of the adjusted row.
 
@@ -41,6 +43,7 @@ MAX_PENALTY = 2.0               # |presence_penalty|, |frequency_penalty| (as Op
 REPETITION_RANGE = (0.01, 100.0)   # repetition_penalty (1: off); adjust_logits keeps the row finite
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16                      # choices of one HTTP request (deploy/openai_api.py)
+MAX_GRAMMAR_CHARS = 1024 * 1024     # a grammar's text (stages/structured.py compiles it)
 # the fields a model's generation_config.json (or GGUF general.sampling.*) may give defaults for
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")
@@ -63,6 +66,7 @@ class SamplingParams:
     min_p: float = 0.0                # drop tokens less likely than min_p times the best one
     logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit
     stop_token_ids: list = field(default_factory=list)  # tokens that end the sequence ("stop")
+    grammar: str | None = None        # a Lark grammar the output keeps to (stages/structured.py)
 
     @classmethod
     def from_dict(cls, values: dict, defaults: "SamplingParams | None" = None,
@@ -80,6 +84,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty needs the sequence's history (ChunkSampling.output_ids)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the last stage needs the tokens generated so far (ChunkSampling.output_ids): for a
+        penalty, or to advance the grammar's matcher."""
+        return self.penalized or self.grammar is not None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -133,6 +143,13 @@ class SamplingParams:
             raise RequestError(f"min_p must be a number in [0, 1], got {_short(self.min_p)}")
         self.logit_bias = _check_logit_bias(self.logit_bias, vocab)
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids, vocab)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS:
+                raise RequestError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters "
+                                   f"(a Lark grammar in llguidance's syntax)")
+            if self.ignore_eos:       # the grammar ends the output with an end token
+                raise RequestError("ignore_eos cannot be combined with structured output (response_format, "
+                                   "a forced tool call or a grammar)")
         # last, so that a request is refused for the same field whether or not the context is known yet
         if context_length is not None and self.max_tokens > context_length:
             raise RequestError(f"max_tokens must be at most the model's context ({context_length} tokens), "
@@ -308,30 +325,33 @@ class ChunkSampling:
     params: SamplingParams | None = None
     seed: int = 0
     position: int = 0              # how many tokens the sequence has generated before this one
-    # what the penalties need (only set when the params have one, and a token is sampled): the tokens
-    # generated so far, and (repetition_penalty) the prompt's distinct tokens
+    seq_id: int = 0                # whose grammar matcher (stages/structured.py Matchers) to use
+    # what the penalties and a grammar need (only set when the params have one, and a token is sampled):
+    # the tokens generated so far, and (repetition_penalty) the prompt's distinct tokens
     output_ids: list[int] | None = None
     prompt_ids: list[int] | None = None
 
 
-def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling]) -> list:
+def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=None) -> list:
     """Per chunk (token or None, its logprob entry or None, [prompt logprob entries]), or a one-line error
     message when that chunk's sampling raised (a bug or bad numbers: its sequence alone fails, the step
-    does not). Greedy chunks without logprobs (the common case) share one argmax over their rows."""
+    does not). Greedy chunks without logprobs (the common case) share one argmax over their rows.
+    `matchers` (stages.structured.Matchers) masks the rows of chunks with a grammar."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
-             and c.params.logprobs is None and not c.params.adjusts_logits]
+             and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None]
     best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
     out = []
     for c in chunks:
         try:
-            out.append((best[c.tip], None, []) if c.tip in best and not c.targets else _sample_chunk(logits, c))
+            out.append((best[c.tip], None, []) if c.tip in best and not c.targets
+                       else _sample_chunk(logits, c, matchers))
         except Exception as e:
             log.exception("sampling failed (seed %s, position %s)", c.seed, c.position)
             out.append(f"{type(e).__name__}: {e}")
     return out
 
 
-def _sample_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
+def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, matchers=None) -> tuple:
     prompt = []
     if c.targets:
         rows = torch.log_softmax(logits[c.first:c.first + len(c.targets)], -1)
@@ -342,6 +362,9 @@ def _sample_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
         adjusted = row
         if c.params.adjusts_logits:
             adjusted = adjust_logits(row, c.params, c.output_ids or (), c.prompt_ids or ())
+        if c.params.grammar is not None:
+            allowed = matchers.allowed(c.seq_id, c.params.grammar, c.output_ids or [])
+            adjusted = adjusted.masked_fill(~allowed, float("-inf"))
         token = sample_token(adjusted, c.params, c.seed, c.position)
         if c.params.logprobs is not None:        # of the raw logits (module doc)
             entry = logprob_entry(torch.log_softmax(row, -1), token, c.params.logprobs)

@@ -66,8 +66,9 @@ class Sequence:
         and whose logits will be those from `logit_row`: the logprobs of the prompt tokens it predicts that are
         not recorded yet (kept from before a recompute), and the next token at the tip. Returns it and the
         batch rows it needs logits of."""
-        c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row)
-        if self.params.penalized and start + length == self.n_tokens:
+        c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row,
+                          seq_id=self.seq_id)
+        if self.params.needs_history and start + length == self.n_tokens:
             # the history travels with the chunk: the last stage keeps no per-sequence state (stages/sampling.py)
             c.output_ids = list(self.output_ids)
             if self.params.repetition_penalty != 1:

@@ -17,6 +17,7 @@ from .errors import ModelFormatError
 from .loader import MODES, ModelFiles, mode_device_error
 from .prefix_store import PrefixStore
 from .sampling import sample_chunks
+from .structured import Matchers
 
 
 def check_device(device: str, mode: str) -> torch.device:
@@ -105,6 +106,8 @@ class Stage:
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
         self.prefix = PrefixStore()       # its layers' share of the prefix cache
+        # the last stage samples: its sequences' grammar matchers (structured outputs)
+        self.matchers = Matchers(model.tokenizer, model.config.vocab) if self.last else None
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
@@ -122,12 +125,16 @@ class Stage:
         """Forget every sequence's caches and the prefix cache (the coordinator forgets its index too)."""
         self.caches.clear()
         self.prefix.clear()
+        if self.matchers is not None:
+            self.matchers.clear()
 
     def cache_bytes(self) -> int:
         return sum(c.nbytes() for caches in self.caches.values() for c in caches.values())
 
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
+        if self.matchers is not None:
+            self.matchers.release(seq_id)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,4 +166,4 @@ class Stage:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
             logits = linear(x, self.head).float().cpu()      # sampling runs on the host
-        return logits if batch.sampling is None else sample_chunks(logits, batch.sampling)
+        return logits if batch.sampling is None else sample_chunks(logits, batch.sampling, self.matchers)
