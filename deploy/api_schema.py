@@ -219,8 +219,155 @@ class Health(_Closed):
     prefix_cache: PrefixCacheLoad
 
 
+# ---- /v1/responses (deploy/responses_api.py) ----
+
+ItemStatus = Literal["in_progress", "completed"]
+
+
+class ReasoningText(_Closed):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputText(_Closed):
+    type: Literal["output_text"]
+    text: str
+    annotations: list
+    logprobs: list
+
+
+class ReasoningItem(_Closed):
+    id: str
+    type: Literal["reasoning"]
+    summary: list
+    status: ItemStatus
+    content: list[ReasoningText]
+
+
+class MessageItem(_Closed):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class FunctionCallItem(_Closed):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+
+
+class ResponseUsage(_Closed):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class IncompleteDetails(_Closed):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(_Closed):
+    """POST /v1/responses: the response, with what it echoes of the request."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputItem]
+    error: None
+    incomplete_details: IncompleteDetails | None
+    metadata: dict
+    previous_response_id: None
+    store: bool
+    truncation: Literal["disabled"]
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool | None
+    temperature: float | None
+    top_p: float | None
+    tool_choice: Any
+    tools: list
+    text: dict
+    reasoning: dict
+    usage: ResponseUsage | None
+
+
+class _Event(_Closed):
+    sequence_number: int
+
+
+class ResponseLifecycleEvent(_Event):
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: Response
+
+
+class OutputItemEvent(_Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(_Event):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | ReasoningText
+
+
+class TextDeltaEvent(_Event):
+    type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list = Field(None, description="output_text only")
+
+
+class TextDoneEvent(_Event):
+    type: Literal["response.output_text.done", "response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list = Field(None, description="output_text only")
+
+
+class ArgumentsDeltaEvent(_Event):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(_Event):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponseErrorEvent(_Event):
+    """An error mid-stream (its last event)."""
+    type: Literal["error"]
+    code: str
+    message: str
+    param: str | None
+
+
+RESPONSE_EVENTS = [ResponseLifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent,
+                   ArgumentsDeltaEvent, ArgumentsDoneEvent, ResponseErrorEvent]
 RESPONSES = [ErrorResponse, Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList,
-             TokenizeResponse, DetokenizeResponse, Health]
+             TokenizeResponse, DetokenizeResponse, Health, Response, *RESPONSE_EVENTS]
 
 
 # ---- requests (with this server's limits) -------------------------------------------------------------
@@ -236,6 +383,7 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=context_length - 1)]
     StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
     Anything = Any
+    SchemaName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
     class TextPart(_Open):
         type: Literal["text"]
@@ -296,8 +444,20 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
         suffix: Literal[""] | None = Field(None, description="not supported")
         best_of: Literal[1] | None = None
 
-    class ResponseFormat(_Open):
-        type: Literal["text"]
+    class PlainFormat(_Closed):
+        type: Literal["text", "json_object"]
+
+    class JsonSchema(_Closed):
+        name: SchemaName
+        schema_: dict[str, Any] = Field(None, alias="schema", description="a JSON schema (llguidance compiles it)")
+        strict: bool | None = None
+        description: str | None = None
+
+    class SchemaFormat(_Closed):
+        type: Literal["json_schema"]
+        json_schema: JsonSchema
+
+    ResponseFormat = PlainFormat | SchemaFormat
 
     class ChatRequest(Sampling):
         """POST /v1/chat/completions."""
@@ -310,7 +470,7 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
         tool_choice: Literal["none"] | None = None
         function_call: Literal["none"] | None = None
         parallel_tool_calls: Anything = None
-        response_format: ResponseFormat | None = None
+        response_format: ResponseFormat | None = Field(None, description="structured outputs (docs/chat.md)")
         chat_template_kwargs: TemplateKwargs | None = None
         reasoning_effort: Literal["low", "medium", "high"] | None = None
 
@@ -333,7 +493,57 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
         model: ModelName | None = None
         tokens: list[TokenId]
 
-    return [CompletionRequest, ChatRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest]
+    class FunctionTool(_Closed):
+        type: Literal["function"]
+        name: SchemaName
+        description: str | None = None
+        parameters: dict[str, Any] | None = None
+        strict: bool | None = None
+
+    class NamedTool(_Closed):
+        type: Literal["function"]
+        name: str
+
+    class ReasoningOptions(_Closed):
+        effort: Literal["low", "medium", "high"] | None = None
+        summary: Anything = Field(None, description="accepted, ignored: the reasoning is given whole")
+        generate_summary: Anything = None
+
+    class TextSchemaFormat(_Closed):
+        type: Literal["json_schema"]
+        name: SchemaName
+        schema_: dict[str, Any] = Field(None, alias="schema")
+        strict: bool | None = None
+        description: str | None = None
+
+    class TextOptions(_Closed):
+        format: PlainFormat | TextSchemaFormat | None = None
+        verbosity: Anything = Field(None, description="accepted, ignored")
+
+    class ResponsesRequest(_Closed):
+        """POST /v1/responses (only function tools; no stored responses)."""
+        model: ModelName | None = None
+        input: (Annotated[str, Field(max_length=max_text_chars)]
+                | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=max_messages)]) = Field(
+            description="text, or message, function_call, function_call_output and reasoning items")
+        instructions: str | None = None
+        reasoning: ReasoningOptions | None = None
+        tools: list[FunctionTool] | None = None
+        tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
+        parallel_tool_calls: bool | None = None
+        max_output_tokens: Annotated[int, Field(ge=1, le=context_length)] | None = None
+        temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+        top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+        stream: bool | None = None
+        text: TextOptions | None = None
+        previous_response_id: None = Field(None, description="not supported")
+        background: Literal[False] | None = None
+        user: Anything = Field(None, description="accepted and ignored (as are metadata, store, service_tier)")
+        metadata: Anything = None
+        store: Anything = None
+        service_tier: Anything = None
+
+    return [CompletionRequest, ChatRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest, ResponsesRequest]
 
 
 # ---- the document -----------------------------------------------------------------------------------
@@ -390,10 +600,21 @@ def openapi_document(app, *, model_name: str, tokenizer, vocab: int, context_len
         return {"body": _json(request), "ok": {**_json(response), **events(chunk)}, "errors": (400, 401, 404, 413, 503),
                 "secured": True}
 
+    def response_events() -> dict:
+        """text/event-stream of /v1/responses: named events (`event: <type>`), each one's data an event object."""
+        payload = {"type": "string", "contentMediaType": "application/json",
+                   "contentSchema": {"anyOf": [{"$ref": REF.format(model=m.__name__)} for m in RESPONSE_EVENTS]}}
+        return {"text/event-stream": {"schema": {
+            "type": "object", "required": ["event", "data"], "properties": {"event": {"type": "string"}, "data": payload},
+            "description": "with stream: true, events `event: <type>` `data: <the event as JSON>`, from "
+                           "response.created to response.completed (or response.incomplete, or error)"}}}
+
     operations = {
         ("/v1/models", "get"): {"ok": _json("ModelList"), "errors": (401,), "secured": True},
         ("/v1/completions", "post"): generation("CompletionRequest", "Completion", "CompletionChunk"),
         ("/v1/chat/completions", "post"): generation("ChatRequest", "ChatCompletion", "ChatCompletionChunk"),
+        ("/v1/responses", "post"): {"body": _json("ResponsesRequest"), "ok": {**_json("Response"), **response_events()},
+                                    "errors": (400, 401, 404, 413, 503), "secured": True},
         ("/tokenize", "post"): {"body": {"application/json": {"schema": {"oneOf": [
             {"$ref": REF.format(model="TokenizePrompt")}, {"$ref": REF.format(model="TokenizeChat")}]}}},
             "ok": _json("TokenizeResponse"), "errors": (400, 401, 404, 413), "secured": True},

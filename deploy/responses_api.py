@@ -27,6 +27,7 @@ TEXT_FIELDS = frozenset(("format", "verbosity"))                         # verbo
 # a chat field's name in the Responses body, for the errors that parse_chat raises
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
           "reasoning_effort": "reasoning"}
+FUNCTION_TOOL_FIELDS = frozenset(("type", "name", "description", "parameters", "strict"))
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -128,6 +129,7 @@ def _tools(body: dict):
             if kind != "function":
                 raise APIError(400, f"tools[{i}]: {repr(kind)[:40]} tools are not supported: this server runs no "
                                     f"hosted tools, only function tools", param="tools", code=UNSUPPORTED)
+            check_fields(tool, FUNCTION_TOOL_FIELDS, f"tools[{i}].")
             function = {k: v for k, v in tool.items() if k != "type"}
             chat_tools.append({"type": "function", "function": function})
     if isinstance(choice, dict):

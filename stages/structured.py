@@ -42,6 +42,9 @@ def response_schema(fmt) -> dict | None:
         got = fmt.get("type") if isinstance(fmt, dict) else fmt
         raise RequestError(f"response_format.type must be one of {', '.join(FORMATS)}, got {repr(got)[:60]}")
     kind = fmt["type"]
+    extra = [k for k in fmt if k not in ("type", "json_schema" if kind == "json_schema" else "type")]
+    if extra:
+        raise RequestError(f"response_format: unknown field {extra[0]!r} for type {kind}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -106,7 +109,7 @@ def check_schema(schema: dict, tokenizer, field: str):
     llg = _llg()
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(_laid_out(schema))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise RequestError(f"{field}: {_error_line(str(e))}") from None
     error = llg.LLMatcher.validate_grammar(grammar, llg_tokenizer(tokenizer))
     if error:

@@ -67,11 +67,15 @@ def test_the_server_publishes_this_document(server):
 
 def event_stream_conforms(ctx, response, case):
     """A text/event-stream response: `data: {json}` events, each a chunk of the operation's kind (or an
-    error), then `data: [DONE]` and nothing after it."""
+    error), then `data: [DONE]` and nothing after it; of /v1/responses, named events (`event: TYPE`) whose
+    data are the documented events of that type, the last one response.completed, response.incomplete or
+    error."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return None
-    kind = "ChatCompletionChunk" if case.operation.path == "/v1/chat/completions" else "CompletionChunk"
     components = case.operation.schema.raw_schema["components"]
+    if case.operation.path == "/v1/responses":
+        return response_events_conform(response, components)
+    kind = "ChatCompletionChunk" if case.operation.path == "/v1/chat/completions" else "CompletionChunk"
     validators = [jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
                   for name in (kind, "ErrorResponse")]
     blocks = [block.strip() for block in response.text.split("\n\n") if block.strip()]
@@ -85,8 +89,26 @@ def event_stream_conforms(ctx, response, case):
     return True
 
 
-GENERATION = ("/v1/completions", "/v1/chat/completions")
-SHORT = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2}
+def response_events_conform(response, components) -> bool:
+    from deploy.api_schema import RESPONSE_EVENTS
+    validator = jsonschema.Draft202012Validator(
+        {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in RESPONSE_EVENTS], "components": components})
+    blocks = [block.strip() for block in response.text.split("\n\n") if block.strip()]
+    types = []
+    for block in blocks:
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:300]
+        event = json.loads(lines[1][len("data: "):])
+        assert event["type"] == lines[0][len("event: "):], block[:300]
+        error = next(iter(validator.iter_errors(event)), None)
+        assert error is None, f"an event matches no schema ({error.message}): {block[:300]}"
+        types.append(event["type"])
+    assert types and types[-1] in ("response.completed", "response.incomplete", "error"), types
+    return True
+
+
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+SHORT = {"max_tokens": 2, "max_completion_tokens": 2, "max_output_tokens": 2, "n": 2}
 
 
 def keep_short(case):
@@ -100,9 +122,10 @@ def keep_short(case):
         value = body.get(name)
         if type(value) is int and 1 <= value <= CONTEXT:
             body[name] = min(value, cap)
-    if case.meta.generation.mode.is_positive and body.get("max_tokens") is None \
+    limit = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
+    if case.meta.generation.mode.is_positive and body.get(limit) is None \
             and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = SHORT["max_tokens"]
+        body[limit] = SHORT[limit]
 
 
 @schema.parametrize()
