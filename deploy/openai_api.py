@@ -142,7 +142,7 @@ def _unsupported(body: dict, name: str, allowed=(None,)):
 
 
 def _common(body: dict, served_model: str):
-    _common_tokenize(body, served_model)
+    check_body(body, served_model)
     n = body.get("n")
     if n is None:
         n = 1
@@ -369,7 +369,7 @@ def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int
     chat_template_kwargs} -> {count, max_model_len, tokens} (and token_strs with return_token_strs). A
     prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
     check_fields(body, TOKENIZE_FIELDS)
-    _common_tokenize(body, served_model)
+    check_body(body, served_model)
     # every field is checked, whether or not it applies (the chat's with a prompt, add_special_tokens with a chat)
     add_special_tokens = _bool(body, "add_special_tokens", True)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
@@ -412,7 +412,7 @@ def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: i
     """POST /detokenize (vLLM's): {model, tokens} -> {prompt}, special tokens written out (so that
     /tokenize of the text gives the tokens back)."""
     check_fields(body, DETOKENIZE_FIELDS)
-    _common_tokenize(body, served_model)
+    check_body(body, served_model)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or (tokens and not _all_ints(tokens)):
         raise APIError(400, "tokens must be a list of token ids (integers)", param="tokens")
@@ -422,7 +422,7 @@ def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: i
     return {"prompt": tokenizer.decode(tokens)}
 
 
-def _common_tokenize(body: dict, served_model: str):
+def check_body(body: dict, served_model: str):
     """A JSON object naming no model, or this server's (every endpoint's first check)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_body")

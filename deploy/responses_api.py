@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import uuid
 
-from deploy.openai_api import IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_fields, check_result, parse_chat
+from deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields, check_result,
+                               parse_chat)
 from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from stages.tool_calls import TOOL_CALLS, tool_calls_reader
 
@@ -161,6 +162,7 @@ def _response_format(text: dict):
 def parse_responses(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
     """POST /v1/responses: checked, turned into a chat body, and prepared as a chat."""
     check_fields(body, RESPONSES_FIELDS)
+    check_body(body, served_model)
     for name, off in (("previous_response_id", (None,)), ("background", (None, False))):
         if not any(type(body.get(name)) is type(v) and body.get(name) == v for v in off):
             raise APIError(400, f"{name} is not supported by this server (it keeps no responses)", param=name,
@@ -183,7 +185,6 @@ def parse_responses(body: dict, served_model: str, tokenizer, context_length: in
         raise
     p.kind, p.id = "response", _new_id("resp")
     p.parser = p.parser or OutputParser(tokenizer)     # items need the pieces, even of a plain answer
-    p.echo = False
     p.response_fields = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "parallel_tool_calls": p.tools.parallel if p.tools else body.get("parallel_tool_calls", True),

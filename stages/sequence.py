@@ -69,7 +69,8 @@ class Sequence:
         c = ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row,
                           seq_id=self.seq_id)
         if self.params.needs_history and start + length == self.n_tokens:
-            # the history travels with the chunk: the last stage keeps no per-sequence state (stages/sampling.py)
+            # the history travels with the chunk: the last stage keeps no per-sequence state but a grammar's
+            # matcher, which it rebuilds from this when out of step (stages/sampling.py)
             c.output_ids = list(self.output_ids)
             if self.params.repetition_penalty != 1:
                 if self._prompt_set is None:
