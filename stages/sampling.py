@@ -336,22 +336,27 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=No
     """Per chunk (token or None, its logprob entry or None, [prompt logprob entries]), or a one-line error
     message when that chunk's sampling raised (a bug or bad numbers: its sequence alone fails, the step
     does not). Greedy chunks without logprobs (the common case) share one argmax over their rows.
-    `matchers` (stages.structured.Matchers) masks the rows of chunks with a grammar."""
+    `matchers` (stages.structured.Matchers) gives the masks of the chunks with a grammar, all at once."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
              and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None]
     best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
+    constrained = [c for c in chunks if c.tip is not None and c.params.grammar is not None]
+    masks = matchers.masks([(c.seq_id, c.params.grammar, c.output_ids or []) for c in constrained]) \
+        if constrained else []
+    allowed = {id(c): mask for c, mask in zip(constrained, masks)}
     out = []
     for c in chunks:
         try:
             out.append((best[c.tip], None, []) if c.tip in best and not c.targets
-                       else _sample_chunk(logits, c, matchers))
+                       else _sample_chunk(logits, c, allowed.get(id(c))))
         except Exception as e:
             log.exception("sampling failed (seed %s, position %s)", c.seed, c.position)
             out.append(f"{type(e).__name__}: {e}")
     return out
 
 
-def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, matchers=None) -> tuple:
+def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, allowed=None) -> tuple:
+    """`allowed`: with a grammar, the mask of the tokens it allows (or why there is none)."""
     prompt = []
     if c.targets:
         rows = torch.log_softmax(logits[c.first:c.first + len(c.targets)], -1)
@@ -363,7 +368,8 @@ def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, matchers=None) -> tupl
         if c.params.adjusts_logits:
             adjusted = adjust_logits(row, c.params, c.output_ids or (), c.prompt_ids or ())
         if c.params.grammar is not None:
-            allowed = matchers.allowed(c.seq_id, c.params.grammar, c.output_ids or [])
+            if isinstance(allowed, str):
+                raise RuntimeError(allowed)
             adjusted = adjusted.masked_fill(~allowed, float("-inf"))
         token = sample_token(adjusted, c.params, c.seed, c.position)
         if c.params.logprobs is not None:        # of the raw logits (module doc)

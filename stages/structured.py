@@ -254,8 +254,8 @@ def _harmony(w: _Writer, parser: HarmonyParser, schema, tools, names) -> str:
 # ---- the last stage's matchers ----------------------------------------------------------------------
 
 class Matchers:
-    """Per sequence, the llguidance matcher of its grammar and the tokens it has consumed; `allowed`
-    gives the mask of the next token. Lives on the last stage (stages/stage.py)."""
+    """Per sequence, the llguidance matcher of its grammar and the tokens it has consumed; `masks` gives the
+    masks of a step's next tokens. Lives on the last stage (stages/stage.py)."""
 
     MAX_COMPILED = 64       # compiled grammars kept (a request's choices share one)
 
@@ -278,12 +278,10 @@ class Matchers:
         self.compiled.move_to_end(grammar)
         return matcher.deep_copy()
 
-    def allowed(self, seq_id: int, grammar: str, output_ids: list[int]):
-        """A bool tensor [vocab]: the tokens the grammar allows after `output_ids` (the sequence's output so
-        far). The matcher goes on from where it was when its tokens begin output_ids; otherwise (a new
-        stage, a step dropped by a restart) a fresh one consumes them all."""
-        import numpy as np
-        import torch
+    def _advance(self, seq_id: int, grammar: str, output_ids: list[int]):
+        """The sequence's matcher after `output_ids` (its output so far): it goes on from where it was when
+        its tokens begin output_ids; otherwise (a new stage, a step dropped by a restart) a fresh one
+        consumes them all."""
         state = self.state.get(seq_id)
         if state is None or state[0] != grammar or output_ids[:len(state[2])] != state[2]:
             state = (grammar, self._fresh(grammar), [])
@@ -292,13 +290,35 @@ class Matchers:
         if new and not matcher.consume_tokens(new):
             raise RuntimeError(f"the output left its grammar: {_error_line(matcher.get_error())}")
         self.state[seq_id] = (grammar, matcher, list(output_ids))
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
-        mask = torch.from_numpy(bits[:self.vocab].astype(bool))
-        if len(mask) < self.vocab:         # the model's rows beyond the tokenizer's: never allowed
-            mask = torch.cat([mask, torch.zeros(self.vocab - len(mask), dtype=torch.bool)])
-        if not mask.any():
-            raise RuntimeError(f"the grammar allows no token: {_error_line(matcher.get_error()) or 'stopped'}")
-        return mask
+        return matcher
+
+    def masks(self, requests: list[tuple]) -> list:
+        """Per (seq_id, grammar, output_ids), a bool tensor [vocab] of the tokens its grammar allows next, or
+        the message of what went wrong with that sequence (it alone fails)."""
+        import numpy as np
+        import torch
+        matchers, out = [], []
+        for seq_id, grammar, output_ids in requests:
+            try:
+                matchers.append(self._advance(seq_id, grammar, output_ids))
+                out.append(None)
+            except Exception as e:
+                matchers.append(None)
+                out.append(f"{type(e).__name__}: {e}")
+        words = (llg_tokenizer(self.tokenizer).vocab_size + 31) // 32
+        bitmask = np.zeros((len(requests), words), np.int32)
+        for i, matcher in enumerate(matchers):    # a few microseconds each: threads would cost more
+            if matcher is not None:
+                matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * words * 4, words * 4)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+        if bits.shape[1] < self.vocab:         # the model's rows past the tokenizer's: never allowed
+            bits = np.pad(bits, ((0, 0), (0, self.vocab - bits.shape[1])))
+        allowed = torch.from_numpy(bits.view(np.bool_))
+        for i, some in enumerate(bits.any(axis=1).tolist()):
+            if out[i] is None:
+                out[i] = allowed[i] if some else \
+                    f"the grammar allows no token: {_error_line(matchers[i].get_error()) or 'it has ended'}"
+        return out
 
     def release(self, seq_id: int):
         self.state.pop(seq_id, None)
