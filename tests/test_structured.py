@@ -181,3 +181,24 @@ def test_other_refusals():
     with pytest.raises(RequestError, match="grammar or response_format"):
         line_grammar({"messages": ASK, "response_format": {"type": "json_object"}, "grammar": "start: \"x\""},
                      m.tokenizer, [1])
+
+
+def test_json_object_and_responses_text_format():
+    """json_object takes any object (here nested), then only the end token; /v1/responses' text.format
+    reaches the same grammar as the chat's response_format."""
+    from deploy.responses_api import parse_responses
+    m = open_model("tiny-qwen35moe")
+    tok, args = m.tokenizer, ("m", m.tokenizer, m.config.context_length, m.config.vocab)
+    chat = parse_chat({"messages": ASK, "response_format": {"type": "json_object"},
+                       "chat_template_kwargs": {"enable_thinking": False}}, *args)
+    out = tok.encode('{"a": [1, {"b": null}], "c": "x"}')
+    matchers = Matchers(tok, m.config.vocab)
+    for n in range(len(out)):
+        assert matchers.masks([(0, chat.engine_request["grammar"], out[:n])])[0][out[n]]
+    [end] = matchers.masks([(0, chat.engine_request["grammar"], out)])
+    assert end.nonzero().flatten().tolist() == [tok.eos_token_id]
+    fmt = response_format("weather")
+    chat = parse_chat({"messages": [{"role": "user", "content": "Hi"}], "response_format": fmt}, *args)
+    response = parse_responses({"input": "Hi", "text": {"format": {"type": "json_schema", **fmt["json_schema"]}}},
+                               *args)
+    assert response.engine_request["grammar"] == chat.engine_request["grammar"]
