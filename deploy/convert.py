@@ -71,19 +71,19 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
     if not os.path.isdir(hf_dir):
         raise RaymoeError(f"{hf_dir}: not a directory (convert takes an HF checkpoint directory)")
     model = open_model(hf_dir, max_model_len=None)     # the file keeps the checkpoint's whole context
-    arch, cfg = model.arch, model.config
+    family, cfg = model.family, model.config
     names = global_tensor_shapes(cfg)
     if not model.source.has("output.weight"):
         del names["output.weight"]       # tied head: llama.cpp falls back to token_embd
     for i in range(cfg.n_layers):
-        names.update(arch.layer_tensor_shapes(cfg, i))
+        names.update(family.layer_tensor_shapes(cfg, i))
 
     tmp = out_path + ".partial"
-    writer = gguf.GGUFWriter(tmp, arch.ARCH)
+    writer = gguf.GGUFWriter(tmp, family.arch)
     writer.add_name(os.path.basename(os.path.normpath(hf_dir)))
     writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[kind])
-    _add_metadata(writer, arch.ARCH, arch.gguf_metadata(cfg))
-    write_tokenizer_to_gguf(writer, model.tokenizer, arch.TOKENIZER_PRE, vocab_size=cfg.vocab)
+    _add_metadata(writer, family.arch, family.gguf_metadata(cfg))
+    write_tokenizer_to_gguf(writer, model.tokenizer, family.tokenizer_pre, vocab_size=cfg.vocab)
     native = getattr(model.source, "raw_tensor", None)    # tensors the checkpoint already holds in a GGML type
     for name, shape in tqdm(names.items(), desc="converting", unit="tensor", file=sys.stderr,
                             disable=not progress or None):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from kernels.weights import BLOCK_TYPES, F32, BlockWeight, ConcatWeight, DenseWe
 from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
-from .family import global_tensor_shapes
+from .family import Family, find_family, global_tensor_shapes
 from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = tuple(EMBEDDED)
@@ -36,11 +35,6 @@ def mode_device_error(mode: str, device: str) -> str | None:
     if str(device).startswith("cuda") and mode == "int8":
         return "--dtype int8 is a CPU mode (int8 rows); with --device cuda use auto or float32"
     return None
-
-
-def architectures() -> dict[str, ModuleType]:
-    from . import gptoss, qwen35moe
-    return {qwen35moe.ARCH: qwen35moe, gptoss.ARCH: gptoss}
 
 
 # llama.cpp's GGUF keys of sampling defaults (gguf.Keys.General.SAMPLING_*) -> SamplingParams fields
@@ -70,13 +64,10 @@ def sampling_defaults(path: str, metadata: dict | None = None) -> dict:
     return model_defaults(values, path)
 
 
-HF_MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "gpt_oss": "gpt-oss"}
-
-
 @dataclass
 class ModelFiles:
     path: str
-    arch: ModuleType
+    family: Family
     config: Any
     source: Any               # get(name) -> float32 tensor in GGUF conventions; has(name)
     tokenizer: Any
@@ -90,7 +81,7 @@ class ModelFiles:
     def expected_shapes(self, layers: range, first: bool, last: bool) -> dict:
         shapes = {}
         for i in layers:
-            shapes.update(self.arch.layer_tensor_shapes(self.config, i))
+            shapes.update(self.family.layer_tensor_shapes(self.config, i))
         glob = global_tensor_shapes(self.config)
         if first or (last and not self.source.has("output.weight")):
             shapes["token_embd.weight"] = glob["token_embd.weight"]
@@ -180,31 +171,23 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
     from .tokenizer import Tokenizer
 
     path = resolve_model_path(model)
-    archs = architectures()
     if os.path.isdir(path):
         from .safetensors_dir import SafetensorsDir
         files = SafetensorsDir(path)
-        model_type = files.config.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ModelFormatError(f"{path}: unknown architecture (config.json model_type {model_type!r}; "
-                                   f"supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-        arch = archs[HF_MODEL_TYPES[model_type]]
-        config = arch.config_from_hf(files.config, path)
-        source = arch.hf_weights(files, config)
+        family = find_family(path, hf_model_type=files.config.get("model_type"))
+        config = family.config_from_hf(files.config, path)
+        source = family.hf_weights(files, config)
         tokenizer = Tokenizer.from_hf_dir(path)
         defaults = sampling_defaults(path)
     else:
         gguf = GGUFFile(path)
-        if gguf.architecture not in archs:
-            raise ModelFormatError(f"{path}: unknown architecture {gguf.architecture!r} "
-                                   f"(supported: {', '.join(sorted(archs))})")
-        arch = archs[gguf.architecture]
+        family = find_family(path, gguf_arch=gguf.architecture)
         # before the architecture loops over its layers: a damaged count must not run for billions
         n_blocks = gguf.metadata.get(f"{gguf.architecture}.block_count")
         held = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
         if isinstance(n_blocks, int) and n_blocks > len(held):
             raise ModelFormatError(f"{path}: block_count {n_blocks}, but the file holds tensors of {len(held)} blocks")
-        config = arch.config_from_gguf(gguf.metadata, path)
+        config = family.config_from_gguf(gguf.metadata, path)
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         defaults = sampling_defaults(path, gguf.metadata)
@@ -212,5 +195,5 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
         raise ModelFormatError(f"--max-model-len {max_model_len} must be at least 2")
     if max_model_len is not None:
         config.context_length = min(config.context_length, max_model_len)
-    return ModelFiles(path=path, arch=arch, config=config, source=source, tokenizer=tokenizer,
+    return ModelFiles(path=path, family=family, config=config, source=source, tokenizer=tokenizer,
                       sampling_defaults=defaults)

@@ -98,7 +98,7 @@ class Qwen35MoeHFWeights:
         if how == "tile_v_rows":
             return grouped_to_tiled(t, c.n_k_heads, c.n_v_heads)
         if how == "tile_v_rows_after_qk":
-            qk, v = t[:2 * c.key_dim], t[2 * c.key_dim:]
+            qk, v = t[:2 * c.k_head_dim * c.n_k_heads], t[2 * c.k_head_dim * c.n_k_heads:]
             return torch.cat((qk, grouped_to_tiled(v, c.n_k_heads, c.n_v_heads)))
         if how == "conv":
             return self._transform(t.reshape(t.shape[0], -1), "tile_v_rows_after_qk")

@@ -97,7 +97,7 @@ class Stage:
         with loading_threads(mode):
             w = self.weights = StageWeights(model, shapes, mode, progress, device)
             self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
-            self.layers = [model.arch.build_layer(model.config, w, i, remote_experts) for i in layers]
+            self.layers = [model.family.build_layer(model.config, w, i, remote_experts) for i in layers]
             if self.last:
                 self.norm = w("output_norm.weight")
                 self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed

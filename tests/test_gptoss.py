@@ -269,7 +269,7 @@ def test_stage_split_and_embedded_model(gguf_path, prompt):
         results.append(seq.result())
     assert results[0] == results[1]
     tiny = open_model("tiny-gptoss")
-    assert tiny.arch is gptoss and tiny.path.endswith(".gguf")
+    assert tiny.family is gptoss.FAMILY and tiny.path.endswith(".gguf")
     assert tiny.source.tensors["blk.0.ffn_down_exps.weight"].tensor_type == gguf.GGMLQuantizationType.MXFP4
     out = run(tiny, tiny.tokenizer.encode("Hello, my name is"), max_tokens=8)
     assert len(out["token_ids"]) >= 1

@@ -38,7 +38,7 @@ def write_small(model, path, seed=0, qtype=None, mix=None):
     spec = ms.MODELS[model]
     cfg = small_config(model)
     mix = None if qtype is not None else mix or spec.default_mix
-    plan = ms.tensor_plan(spec.arch, cfg, qtype, mix)
+    plan = ms.tensor_plan(spec.family, cfg, qtype, mix)
     ms.write_synthetic(str(path), model, cfg, plan, ms.synthetic_tokenizer(spec.tokenizer_family),
                        ms.FILE_TYPES[mix or qtype], seed, progress=False)
     return plan
@@ -73,14 +73,14 @@ def test_cli_file_runs_at_full_width(model, tmp_path):
         loaded = finite_logits(path)
         spec = ms.MODELS[model]
         released = spec.make_config(spec.n_layers, spec.vocab)
-        assert loaded.arch is spec.arch and loaded.config.n_layers == 1 and loaded.config.vocab == 1024
+        assert loaded.family is spec.family and loaded.config.n_layers == 1 and loaded.config.vocab == 1024
         for field in ("hidden", "n_head", "n_kv_head", "head_dim", "n_expert", "n_expert_used", "expert_ff", "rms_eps"):
             assert getattr(loaded.config, field) == pytest.approx(getattr(released, field)), field
-        assert loaded.source.metadata[f"{spec.arch.ARCH}.context_length"] == released.context_length
+        assert loaded.source.metadata[f"{spec.family.arch}.context_length"] == released.context_length
         assert loaded.tokenizer.vocab_size == 1024 and loaded.tokenizer.chat_template
         assert loaded.tokenizer.eos_token_ids
         types = file_types(path)
-        assert len(types) == len(ms.tensor_plan(spec.arch, loaded.config, mix=spec.default_mix))
+        assert len(types) == len(ms.tensor_plan(spec.family, loaded.config, mix=spec.default_mix))
         assert not os.path.exists(str(path) + ".partial")
     finally:
         path.unlink(missing_ok=True)
@@ -124,7 +124,7 @@ def test_every_type_writes_its_ggml_type(kind, tmp_path):
 def plan_types(model, mix):
     spec = ms.MODELS[model]
     cfg = spec.make_config(spec.n_layers, spec.vocab)
-    return {t.name: t.qtype for t in ms.tensor_plan(spec.arch, cfg, mix=mix)}
+    return {t.name: t.qtype for t in ms.tensor_plan(spec.family, cfg, mix=mix)}
 
 
 def test_mixes_give_llama_cpp_like_types():

@@ -100,10 +100,10 @@ def test_wrong_conventions_fail(hf_model, prompt, monkeypatch, wrong):
                             lambda self, t, how: t if how == "plus_one" else original(self, t, how))
     else:
         import kernels.deltanet as dn
-        from stages import qwen35moe
+        from stages import deltanet
         for name in ("delta_rule_chunked", "delta_rule_recurrent"):
             rule = getattr(dn, name)
-            monkeypatch.setattr(qwen35moe, name, lambda q, k, v, g, b, s, _r=rule: _r(q * q.shape[-1] ** -0.5, k, v, g, b, s))
+            monkeypatch.setattr(deltanet, name, lambda q, k, v, g, b, s, _r=rule: _r(q * q.shape[-1] ** -0.5, k, v, g, b, s))
     assert max_logprob_error(open_model(hf_model[0]), hf_model[1], prompt) > 1e-2
 
 
