@@ -1,8 +1,11 @@
 """The Gated DeltaNet mixer of every hybrid family: its tensors, its cache, and the layer itself; a family's
-`DeltaNetSpec` says its sizes (docs/model-formats.md §2).
+`DeltaNetSpec` says its sizes and how its GGUF lays out the V heads (docs/model-formats.md §2, §7).
 
-The numerics (kernels/deltanet.py) take V heads in tiled order: V head vh reads K head vh % n_k_heads,
-as llama.cpp's `qwen35moe` files store them.
+The numerics (kernels/deltanet.py) take V heads in tiled order: V head vh reads K head vh % n_k_heads.
+llama.cpp's `qwen35moe` files store them so. Its `qwen3next` files keep HF's grouped order (V head vh
+reads K head vh // (n_v_heads / n_k_heads)) and beta/alpha in one `ssm_ba`, interleaved per K head:
+there the mixer reorders the input product's columns into the tiled layout and its output back, and
+the small per-head tensors at load (weights keep their file's bytes, whatever their type).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class DeltaNetSpec:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    grouped: bool = False       # llama.cpp's qwen3next layout (grouped V heads, one interleaved ssm_ba)
 
     @property
     def key_dim(self) -> int:
@@ -41,8 +45,9 @@ class DeltaNetSpec:
 
     def tensor_shapes(self, p: str, hidden: int) -> dict:
         H, nv = hidden, self.n_v_heads
-        return {p + "attn_qkv.weight": (self.conv_dim, H), p + "attn_gate.weight": (self.value_dim, H),
-                p + "ssm_beta.weight": (nv, H), p + "ssm_alpha.weight": (nv, H),
+        gates = ({p + "ssm_ba.weight": (2 * nv, H)} if self.grouped else
+                 {p + "ssm_beta.weight": (nv, H), p + "ssm_alpha.weight": (nv, H)})
+        return {p + "attn_qkv.weight": (self.conv_dim, H), p + "attn_gate.weight": (self.value_dim, H), **gates,
                 p + "ssm_conv1d.weight": (self.conv_dim, self.conv_kernel), p + "ssm_dt.bias": (nv,),
                 p + "ssm_a": (nv,), p + "ssm_norm.weight": (self.v_head_dim,), p + "ssm_out.weight": (H, self.value_dim)}
 
@@ -58,10 +63,27 @@ class DeltaNetSpec:
     def build(self, w, p: str, eps: float, rope, max_len: int) -> "DeltaNet":
         return DeltaNet(self, w, p, eps)
 
+    def input_order(self) -> torch.Tensor | None:
+        """For the grouped layout, the input product's column for each column the kernels read
+        ([q | k | v | z | beta | alpha], V heads tiled); None when the file's order is that already."""
+        if not self.grouped:
+            return None
+        nk, r = self.n_k_heads, self.n_v_heads // self.n_k_heads
+        ba = torch.arange(2 * self.n_v_heads).view(nk, 2, r)        # per K head: r betas, then r alphas
+        v = tiled_from_grouped(nk, r, self.v_head_dim)
+        return torch.cat((torch.arange(2 * self.key_dim), 2 * self.key_dim + v, self.conv_dim + v,
+                          self.conv_dim + self.value_dim + ba[:, 0].T.reshape(-1),
+                          self.conv_dim + self.value_dim + ba[:, 1].T.reshape(-1)))
+
     def validate(self, where: str):
         if self.n_v_heads % self.n_k_heads:
             raise ModelFormatError(f"{where}: {self.n_v_heads} DeltaNet value heads do not divide into "
                                    f"{self.n_k_heads} key heads")
+
+
+def tiled_from_grouped(n_k: int, r: int, d: int) -> torch.Tensor:
+    """Indices that take n_k * r heads of d elements from grouped order (K head major) to tiled order."""
+    return torch.arange(n_k * r * d).view(n_k, r, d).transpose(0, 1).reshape(-1)
 
 
 def fields_from_gguf(key) -> dict:
@@ -103,12 +125,20 @@ class DeltaNet:
 
     def __init__(self, spec: DeltaNetSpec, w, p: str, eps: float):
         self.spec = spec
-        # the four projections of the input are stacked into one product (fewer, larger products)
-        self.inputs = w.matrices([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
-                                  p + "ssm_alpha.weight"], 0)
-        self.net = GatedDeltaNet(w(p + "ssm_conv1d.weight"), w(p + "ssm_a"), w(p + "ssm_dt.bias"),
-                                 w(p + "ssm_norm.weight"), eps, spec.n_k_heads, spec.n_v_heads, spec.k_head_dim,
-                                 spec.v_head_dim)
+        gates = [p + "ssm_ba.weight"] if spec.grouped else [p + "ssm_beta.weight", p + "ssm_alpha.weight"]
+        # the input projections are stacked into one product (fewer, larger products)
+        self.inputs = w.matrices([p + "attn_qkv.weight", p + "attn_gate.weight", *gates], 0)
+        self.order = spec.input_order()
+        conv, a, dt = w(p + "ssm_conv1d.weight"), w(p + "ssm_a"), w(p + "ssm_dt.bias")
+        self.back = None            # the out projection's input columns, tiled -> the file's order
+        if spec.grouped:
+            nk, r, device = spec.n_k_heads, spec.n_v_heads // spec.n_k_heads, conv.device
+            self.order = self.order.to(device)
+            heads = tiled_from_grouped(nk, r, 1).to(device)
+            conv, a, dt = conv[self.order[:spec.conv_dim]].contiguous(), a[heads], dt[heads]
+            self.back = torch.argsort(tiled_from_grouped(nk, r, spec.v_head_dim)).to(device)
+        self.net = GatedDeltaNet(conv, a, dt, w(p + "ssm_norm.weight"), eps, spec.n_k_heads, spec.n_v_heads,
+                                 spec.k_head_dim, spec.v_head_dim)
         self.out = w.matrix(p + "ssm_out.weight")
 
     def new_cache(self):
@@ -137,7 +167,7 @@ class DeltaNet:
             # one token of each of these sequences at once, their caches stacked
             stack = DeltaNetStack.of([cache for _, cache in singles])
             net.decode(qkv, z, beta, alpha, [row for row, _ in singles], stack.conv, stack.state, y)
-        return linear(y, self.out)
+        return self._output(y)
 
     def decode_inputs(self, ctx, layer: int):
         """A decode step's host part: the sequences' caches stacked, (conv [n, K-1, C], state [n, H, dk, dv])."""
@@ -146,12 +176,18 @@ class DeltaNet:
 
     def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
         """One token of each sequence (row i is sequence i's); the stacked caches are updated in place."""
-        return linear(self.net.decode_all(*self._projections(x), *caches), self.out)
+        return self._output(self.net.decode_all(*self._projections(x), *caches))
 
     def decode_done(self, ctx, layer: int) -> None:
         pass
 
     def _projections(self, x: torch.Tensor):
-        """qkv [T, C], z [T, H_v * dv], beta and alpha [T, H_v]: column slices of one product."""
+        """qkv [T, C], z [T, H_v * dv], beta and alpha [T, H_v]: column slices of one product, V heads tiled."""
         s = self.spec
-        return linear(x, self.inputs).split([s.conv_dim, s.value_dim, s.n_v_heads, s.n_v_heads], dim=-1)
+        y = linear(x, self.inputs)
+        if self.order is not None:
+            y = y.index_select(1, self.order)
+        return y.split([s.conv_dim, s.value_dim, s.n_v_heads, s.n_v_heads], dim=-1)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        return linear(y if self.back is None else y.index_select(1, self.back), self.out)

@@ -164,8 +164,8 @@ class Family:
 
 def families() -> tuple[Family, ...]:
     """Every family raymoe runs: the one registry (imported when asked: each family module imports this one)."""
-    from . import gptoss, qwen35moe
-    return qwen35moe.FAMILY, gptoss.FAMILY
+    from . import gptoss, qwen35moe, qwen3next
+    return qwen35moe.FAMILY, gptoss.FAMILY, qwen3next.FAMILY
 
 
 def find_family(where: str, gguf_arch: str | None = None, hf_model_type: str | None = None) -> Family:

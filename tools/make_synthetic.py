@@ -1,7 +1,7 @@
 """Random GGUFs with the shapes of released models, to measure raymoe and llama.cpp at real size
 without downloading weights.
 
-    python -m tools.make_synthetic --model qwen3.5-35b-a3b|gpt-oss-20b --out PATH
+    python -m tools.make_synthetic --model qwen3.5-35b-a3b|qwen3-next-80b-a3b|gpt-oss-20b --out PATH
         [--layers N] [--vocab N] [--type T | --mix q3_k_m|q4_k_m|mxfp4] [--seed S] [--dry-run]
 
 Quantised blocks are random bytes whose scale fields are set so that every matrix's elements have a
@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, LlamaFileType as FT
 
-from stages import gptoss, qwen35moe
+from stages import gptoss, qwen35moe, qwen3next
 from stages.family import Family, global_tensor_shapes
 
 CHUNK_BYTES = 32 << 20      # bytes generated and written at a time
@@ -50,6 +50,13 @@ def qwen35_35b_a3b(n_layers: int, vocab: int) -> qwen35moe.Qwen35MoeConfig:
         v_head_dim=128, full_attention_interval=4, context_length=262144)
 
 
+def qwen3_next_80b_a3b(n_layers: int, vocab: int) -> qwen3next.Qwen3NextConfig:
+    return qwen3next.Qwen3NextConfig(
+        n_layers=n_layers, hidden=2048, vocab=vocab, n_head=16, n_kv_head=2, head_dim=256, rope_dim=64,
+        rope_base=1e7, rms_eps=1e-6, n_expert=512, n_expert_used=10, expert_ff=512, shared_ff=512, conv_kernel=4,
+        k_head_dim=128, n_k_heads=16, n_v_heads=32, v_head_dim=128, full_attention_interval=4, context_length=262144)
+
+
 def gpt_oss_20b(n_layers: int, vocab: int) -> gptoss.GptOssConfig:
     return gptoss.GptOssConfig(
         n_layers=n_layers, hidden=2880, vocab=vocab, n_head=64, n_kv_head=8, head_dim=64, rms_eps=1e-5,
@@ -60,6 +67,7 @@ def gpt_oss_20b(n_layers: int, vocab: int) -> gptoss.GptOssConfig:
 
 MODELS = {
     "qwen3.5-35b-a3b": ModelSpec(qwen35moe.FAMILY, qwen35_35b_a3b, 40, 248320, "qwen35moe", "q3_k_m"),
+    "qwen3-next-80b-a3b": ModelSpec(qwen3next.FAMILY, qwen3_next_80b_a3b, 48, 151936, "qwen3next", "q3_k_m"),
     "gpt-oss-20b": ModelSpec(gptoss.FAMILY, gpt_oss_20b, 24, 201088, "gptoss", "mxfp4"),
 }
 
@@ -383,7 +391,7 @@ def main(argv=None) -> int:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--type", choices=sorted(TYPES), help="one type for every weight matrix")
     kind.add_argument("--mix", choices=MIXES,
-                      help="llama.cpp-style mix (default: q3_k_m for qwen3.5, mxfp4 for gpt-oss)")
+                      help="llama.cpp-style mix (default: q3_k_m for the Qwens, mxfp4 for gpt-oss)")
     p.add_argument("--seed", type=_bounded_int(0), default=0)
     p.add_argument("--dry-run", action="store_true", help="print the file's size and types; write nothing")
     args = p.parse_args(argv)
