@@ -5,7 +5,7 @@
 The tensors come from the same reader the engine uses for HF directories, so a converted
 file computes exactly what the directory does. 1-D tensors (norms, gates), biases and the
 conv kernel stay float32, as llama.cpp's converter keeps them. Tensors the checkpoint already holds
-in a GGML type (gpt-oss's MXFP4 experts, via the source's `raw_tensor`) are repacked bit for bit,
+in a GGML type (gpt-oss's MXFP4 experts, via the source's `raw`) are repacked bit for bit,
 never requantised, whatever `--type` says.
 """
 from __future__ import annotations
@@ -84,12 +84,11 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
     writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[kind])
     _add_metadata(writer, family.arch, family.gguf_metadata(cfg))
     write_tokenizer_to_gguf(writer, model.tokenizer, family.tokenizer_pre, vocab_size=cfg.vocab)
-    native = getattr(model.source, "raw_tensor", None)    # tensors the checkpoint already holds in a GGML type
     for name, shape in tqdm(names.items(), desc="converting", unit="tensor", file=sys.stderr,
                             disable=not progress or None):
-        packed = native(name) if native else None
+        packed = model.source.raw(name)     # a tensor the checkpoint already holds in a GGML type
         if packed is not None:
-            data, raw = packed
+            data, raw = packed[0].numpy(), packed[1]
             if tuple(gguf.quant_shape_from_byte_shape(data.shape, raw)) != tuple(shape):
                 raise RaymoeError(f"{hf_dir}: tensor {name} repacks to shape "
                                   f"{list(gguf.quant_shape_from_byte_shape(data.shape, raw))}, expected {list(shape)}")

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_file import GGUFFile
 from .loader import ModelFiles
 
 RUNTIME_BYTES = 768 << 20     # interpreter, torch, the kernels' buffers and one step's activations
@@ -36,9 +35,7 @@ def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
         return 4 * n                                   # values are held as float32
     if mode == "int8":
         return n + 4 * n // shape[-1]                  # int8 rows and a scale each
-    if isinstance(model.source, GGUFFile):
-        return model.source.info(name).n_bytes
-    return 4 * n
+    return model.source.stored_bytes(name, shape)
 
 
 def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) -> StageNeed:

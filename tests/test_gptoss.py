@@ -183,6 +183,14 @@ def test_mxfp4_repack_is_exact():
     assert np.array_equal(ref, hf.numpy()) and torch.equal(dequantize(raw, gguf.GGMLQuantizationType.MXFP4), hf)
 
 
+def test_an_expert_slice_of_the_checkpoint_holds_those_experts(hf_model):
+    """What an expert actor reads of the MXFP4 checkpoint (a slice of the experts) is those experts' GGML bytes."""
+    source = open_model(hf_model[0]).source
+    whole, kind = source.raw("blk.1.ffn_down_exps.weight")
+    part, part_kind = source.raw("blk.1.ffn_down_exps.weight", range(2, 5))
+    assert kind == part_kind == gguf.GGMLQuantizationType.MXFP4 and torch.equal(part, whole[2:5])
+
+
 def test_converted_gguf_layout(hf_model, gguf_path):
     reader = gguf.GGUFReader(gguf_path)
     types = {t.name: t.tensor_type for t in reader.tensors}
