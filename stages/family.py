@@ -10,6 +10,7 @@ import torch
 
 from kernels.norms import rms_norm
 
+from .cache import KVCache
 from .errors import ModelFormatError
 from .moe import MoE, MoESpec
 
@@ -134,7 +135,7 @@ class Family:
     config_from_gguf: Callable          # (metadata, where) -> config (a ModelConfig)
     config_from_hf: Callable            # (config.json dict, where) -> config
     gguf_metadata: Callable             # config -> its `<arch>.*` GGUF keys (the inverse of config_from_gguf)
-    hf_weights: Callable                # (SafetensorsDir, config) -> source with get(name) and has(name)
+    hf_weights: Callable                # (SafetensorsDir, config) -> its tensor source (a safetensors_dir.HFWeights)
     layer_mixer: Callable               # (config, layer) -> MixerSpec: the one place a layer's kind is decided
     rope: Callable                      # config -> (inverse frequencies, cos/sin multiplier) of its attention
     moe_spec: Callable                  # config -> MoESpec of every layer's feed-forward
@@ -148,7 +149,6 @@ class Family:
     def layer_cache_bytes(self, cfg: ModelConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
         """The most one sequence's cache of layer i takes: for a full context, or for a sequence never longer
         than `length`; `chunk`: the most tokens of one sequence a step holds."""
-        from .cache import KVCache
         positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
         return self.layer_mixer(cfg, i).cache_bytes(positions, chunk)
 
