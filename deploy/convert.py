@@ -1,4 +1,5 @@
-"""Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2, gpt-oss §4).
+"""Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2,
+gpt-oss §4, qwen3next §7).
 
     python -m deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
 

@@ -49,7 +49,8 @@ class DeltaNetSpec:
                  {p + "ssm_beta.weight": (nv, H), p + "ssm_alpha.weight": (nv, H)})
         return {p + "attn_qkv.weight": (self.conv_dim, H), p + "attn_gate.weight": (self.value_dim, H), **gates,
                 p + "ssm_conv1d.weight": (self.conv_dim, self.conv_kernel), p + "ssm_dt.bias": (nv,),
-                p + "ssm_a": (nv,), p + "ssm_norm.weight": (self.v_head_dim,), p + "ssm_out.weight": (H, self.value_dim)}
+                p + "ssm_a": (nv,), p + "ssm_norm.weight": (self.v_head_dim,),
+                p + "ssm_out.weight": (H, self.value_dim)}
 
     def cache_bytes(self, positions: int, chunk: int) -> int:
         """One sequence's conv inputs and state, whatever its length."""

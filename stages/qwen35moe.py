@@ -81,7 +81,8 @@ def config_from_hf(hf: dict, where: str) -> Qwen35MoeConfig:
         rope_base=float(theta), rope_dim=int(head_dim * partial), rope_sections=(sections + [0, 0, 0, 0])[:4],
         n_expert=key("num_experts"), n_expert_used=key("num_experts_per_tok"),
         expert_ff=key("moe_intermediate_size"), shared_ff=hf.get("shared_expert_intermediate_size") or 0,
-        **deltanet.fields_from_hf(key), full_attention_interval=deltanet.hf_full_attention_interval(hf, n_layers, where),
+        **deltanet.fields_from_hf(key),
+        full_attention_interval=deltanet.hf_full_attention_interval(hf, n_layers, where),
         context_length=hf.get("max_position_embeddings", 32768))
     cfg.validate(where)
     return cfg

@@ -76,8 +76,10 @@ def config_from_hf(hf: dict, where: str) -> Qwen3NextConfig:
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ModelFormatError(f"{where}: unsupported rope_type {rope.get('rope_type', rope.get('type'))!r} "
                                f"(supported: default)")
-    refused = {"attention_bias": hf.get("attention_bias", False), "norm_topk_prob false": not hf.get("norm_topk_prob", True),
-               "mlp_only_layers": hf.get("mlp_only_layers"), "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1}
+    refused = {"attention_bias": hf.get("attention_bias", False),
+               "norm_topk_prob false": not hf.get("norm_topk_prob", True),
+               "mlp_only_layers": hf.get("mlp_only_layers"),
+               "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1}
     for what, present in refused.items():
         if present:
             raise ModelFormatError(f"{where}: Qwen3-Next with {what} is not supported (llama.cpp's qwen3next "
