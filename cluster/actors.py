@@ -67,7 +67,7 @@ class ExpertActor:
         self.device = torch.device(args.device)
         with loading_threads(args.dtype):
             w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
-            spec = model.arch.moe_spec(model.config)
+            spec = model.family.moe_spec(model.config)
             self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
             w.finish()
 

@@ -1,11 +1,12 @@
-"""Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2, gpt-oss §4).
+"""Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2,
+gpt-oss §4, qwen3next §7).
 
     python -m deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
 
 The tensors come from the same reader the engine uses for HF directories, so a converted
 file computes exactly what the directory does. 1-D tensors (norms, gates), biases and the
 conv kernel stay float32, as llama.cpp's converter keeps them. Tensors the checkpoint already holds
-in a GGML type (gpt-oss's MXFP4 experts, via the source's `raw_tensor`) are repacked bit for bit,
+in a GGML type (gpt-oss's MXFP4 experts, via the source's `raw`) are repacked bit for bit,
 never requantised, whatever `--type` says.
 """
 from __future__ import annotations
@@ -71,25 +72,24 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
     if not os.path.isdir(hf_dir):
         raise RaymoeError(f"{hf_dir}: not a directory (convert takes an HF checkpoint directory)")
     model = open_model(hf_dir, max_model_len=None)     # the file keeps the checkpoint's whole context
-    arch, cfg = model.arch, model.config
+    family, cfg = model.family, model.config
     names = global_tensor_shapes(cfg)
     if not model.source.has("output.weight"):
         del names["output.weight"]       # tied head: llama.cpp falls back to token_embd
     for i in range(cfg.n_layers):
-        names.update(arch.layer_tensor_shapes(cfg, i))
+        names.update(family.layer_tensor_shapes(cfg, i))
 
     tmp = out_path + ".partial"
-    writer = gguf.GGUFWriter(tmp, arch.ARCH)
+    writer = gguf.GGUFWriter(tmp, family.arch)
     writer.add_name(os.path.basename(os.path.normpath(hf_dir)))
     writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[kind])
-    _add_metadata(writer, arch.ARCH, arch.gguf_metadata(cfg))
-    write_tokenizer_to_gguf(writer, model.tokenizer, arch.TOKENIZER_PRE, vocab_size=cfg.vocab)
-    native = getattr(model.source, "raw_tensor", None)    # tensors the checkpoint already holds in a GGML type
+    _add_metadata(writer, family.arch, family.gguf_metadata(cfg))
+    write_tokenizer_to_gguf(writer, model.tokenizer, family.tokenizer_pre, vocab_size=cfg.vocab)
     for name, shape in tqdm(names.items(), desc="converting", unit="tensor", file=sys.stderr,
                             disable=not progress or None):
-        packed = native(name) if native else None
+        packed = model.source.raw(name)     # a tensor the checkpoint already holds in a GGML type
         if packed is not None:
-            data, raw = packed
+            data, raw = packed[0].numpy(), packed[1]
             if tuple(gguf.quant_shape_from_byte_shape(data.shape, raw)) != tuple(shape):
                 raise RaymoeError(f"{hf_dir}: tensor {name} repacks to shape "
                                   f"{list(gguf.quant_shape_from_byte_shape(data.shape, raw))}, expected {list(shape)}")

@@ -87,9 +87,9 @@ class Int8Weight:
         return True
 
     @staticmethod
-    def cat(parts: list["Int8Weight"], dim: int, pending: list | None = None) -> "Int8Weight":
-        return Int8Weight(join_tensors([p.q for p in parts], dim, pending),
-                          join_tensors([p.scale for p in parts], dim, pending))
+    def cat(parts: list["Int8Weight"], dim: int, loading=None) -> "Int8Weight":
+        return Int8Weight(join_tensors([p.q for p in parts], dim, loading),
+                          join_tensors([p.scale for p in parts], dim, loading))
 
 
 def quantize_rows(w: torch.Tensor) -> Int8Weight | None:

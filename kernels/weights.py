@@ -72,8 +72,8 @@ class DenseWeight:
         return True
 
     @staticmethod
-    def cat(parts: list["DenseWeight"], dim: int, pending: list | None = None) -> "DenseWeight":
-        return DenseWeight(join_tensors([p.t for p in parts], dim, pending))
+    def cat(parts: list["DenseWeight"], dim: int, loading: "Loading | None" = None) -> "DenseWeight":
+        return DenseWeight(join_tensors([p.t for p in parts], dim, loading))
 
 
 class BlockWeight:
@@ -171,9 +171,9 @@ class BlockWeight:
         return (self.type, self.k, self.quantize_activations) == (other.type, other.k, other.quantize_activations)
 
     @staticmethod
-    def cat(parts: list["BlockWeight"], dim: int, pending: list | None = None) -> "BlockWeight":
+    def cat(parts: list["BlockWeight"], dim: int, loading: "Loading | None" = None) -> "BlockWeight":
         first = parts[0]
-        return BlockWeight(join_tensors([p.raw for p in parts], dim, pending), first.type, first.k,
+        return BlockWeight(join_tensors([p.raw for p in parts], dim, loading), first.type, first.k,
                            first.quantize_activations)
 
 
@@ -252,10 +252,10 @@ def as_weight(w):
     return DenseWeight(w) if isinstance(w, torch.Tensor) else w
 
 
-def cat_weights(weights: list, dim: int = 0, pending: list | None = None):
+def cat_weights(weights: list, dim: int = 0, loading: "Loading | None" = None):
     """Weights joined along an output dimension (0 for [N, K], 1 for [E, N, K]): neighbours of the
     same kind and format fuse into one weight (one product); a ConcatWeight holds what is left.
-    `pending`: reads may still be filling the weights' bytes (see join_tensors)."""
+    `loading`: reads may still be filling the weights' bytes (see Loading)."""
     runs: list[list] = []
     for w in weights:
         w = as_weight(w)
@@ -264,21 +264,39 @@ def cat_weights(weights: list, dim: int = 0, pending: list | None = None):
                 runs[-1].append(part)
             else:
                 runs.append([part])
-    fused = [run[0] if len(run) == 1 else type(run[0]).cat(run, dim, pending) for run in runs]
+    fused = [run[0] if len(run) == 1 else type(run[0]).cat(run, dim, loading) for run in runs]
     return fused[0] if len(fused) == 1 else ConcatWeight(fused, dim)
 
 
-def join_tensors(tensors: list[torch.Tensor], dim: int, pending: list | None = None) -> torch.Tensor:
-    """torch.cat(tensors, dim). With `pending`, the list of reads still filling the tensors
-    (stages/gguf_file.py read_bytes), the join waits too: the tensor returned is filled when pending
-    is waited on, after those reads, and the load goes on reading meanwhile."""
-    if pending is None:
-        return torch.cat(tensors, dim)
-    shape = list(tensors[0].shape)
-    shape[dim] = sum(t.shape[dim] for t in tensors)
-    out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
-    pending.append(_Join(out, tensors, dim))
-    return out
+def join_tensors(tensors: list[torch.Tensor], dim: int, loading: "Loading | None" = None) -> torch.Tensor:
+    """torch.cat(tensors, dim), now, or with `loading`, once the reads filling the tensors are done."""
+    return torch.cat(tensors, dim) if loading is None else loading.join(tensors, dim)
+
+
+class Loading:
+    """One load's work still to finish: reads running in the background (stages/direct_io.py) and the joins
+    of weights they fill. The load goes on reading meanwhile; `wait` finishes it all, in order."""
+
+    def __init__(self):
+        self._work: list = []           # each with result() -> bool: whether it succeeded
+
+    def defer(self, work) -> None:
+        """Work (a read's future) whose result() waits for it and says whether it succeeded."""
+        self._work.append(work)
+
+    def join(self, tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """torch.cat(tensors, dim) into the tensor returned, done by wait() after the reads before it."""
+        shape = list(tensors[0].shape)
+        shape[dim] = sum(t.shape[dim] for t in tensors)
+        out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        self._work.append(_Join(out, tensors, dim))
+        return out
+
+    def wait(self) -> bool:
+        """Finishes everything deferred so far; False if a read came short (the file ended first)."""
+        complete = all([work.result() for work in self._work])
+        self._work.clear()
+        return complete
 
 
 class _Join:

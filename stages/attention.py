@@ -24,6 +24,7 @@ class AttentionSpec:
     qk_norm: bool = False       # per-head RMSNorm of q and k (Qwen)
     output_gate: bool = False   # each q head is followed by a gate head; the output is scaled by its sigmoid (Qwen)
     sinks: bool = False         # one learned logit per head takes part in the softmax (gpt-oss)
+    window: int | None = None   # a sliding window of this many positions (None: the whole context)
 
     def tensor_shapes(self, p: str, hidden: int) -> dict:
         qd, kvd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
@@ -39,15 +40,32 @@ class AttentionSpec:
             shapes[p + "attn_sinks.weight"] = (self.n_head,)
         return shapes
 
+    def cache_bytes(self, positions: int, chunk: int) -> int:
+        """One sequence's keys and values when it holds at most `positions`; a sliding layer holds at most
+        twice the window plus a step's chunk (before it trims, KVCache.trim)."""
+        if self.window is not None:
+            positions = min(positions, 2 * self.window + chunk)
+        return KVCache.bytes_for(positions, self.n_kv_head, self.head_dim)
+
+    def prefix_bytes(self, block: int) -> tuple[int, int]:
+        """(per cached block, per snapshot) in the prefix cache: a full layer keeps each block's keys and
+        values, a sliding layer its whole cache at a block's end (at most twice the window after a trim)."""
+        if self.window is not None:
+            return 0, KVCache.bytes_for(max(2 * self.window, 16), self.n_kv_head, self.head_dim)
+        return KVCache.bytes_for(block, self.n_kv_head, self.head_dim), 0
+
+    def build(self, w, p: str, eps: float, rope: tuple[torch.Tensor, float], max_len: int) -> "Attention":
+        return Attention(self, w, p, eps, rope, max_len)
+
 
 class Attention:
     """The attention of the layer whose tensors start with `p`. rope: (inverse frequencies, cos/sin
     multiplier); fewer frequencies than head_dim / 2 rotate only the leading part of each head.
-    window: a sliding window (None: the whole context); max_len: the most positions a cache holds."""
+    max_len: the most positions a cache holds."""
 
     def __init__(self, spec: AttentionSpec, w, p: str, eps: float, rope: tuple[torch.Tensor, float],
-                 window: int | None = None, max_len: int | None = None):
-        self.spec, self.eps, self.rope, self.window, self.max_len = spec, eps, rope, window, max_len
+                 max_len: int | None = None):
+        self.spec, self.eps, self.rope, self.window, self.max_len = spec, eps, rope, spec.window, max_len
         # q, k and v in one product (one pass over the activations)
         self.qkv = w.matrices([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], 0)
         self.o = w.matrix(p + "attn_output.weight")

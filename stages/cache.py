@@ -1,6 +1,8 @@
 """Per-sequence caches: KV for attention layers, conv + recurrent state for DeltaNet layers."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -105,9 +107,13 @@ class DeltaNetCache:
     def __init__(self, conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int, dtype, device=None):
         self.conv = torch.zeros(conv_kernel - 1, conv_dim, dtype=dtype, device=device)
         self.state = torch.zeros(n_v_heads, dk, dv, dtype=torch.float32, device=device)
-        # batched decode: (conv stack, state stack, i, conv row, state row): `conv` and `state` are
-        # row i of the stacks while they are these rows
-        self.stacked = None
+        # batched decode: conv and state are row `row` of this stack's tensors (see DeltaNetStack)
+        self.stack: DeltaNetStack | None = None
+        self.row = 0
+
+    def hold(self, conv: torch.Tensor, state: torch.Tensor):
+        """Hold these tensors from now on (a prefill's results): the cache leaves any decode stack."""
+        self.conv, self.state, self.stack = conv, state, None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
@@ -117,9 +123,30 @@ class DeltaNetCache:
         return self.conv.clone(), self.state.clone()
 
     def restore(self, snap: tuple):
-        self.conv, self.state = (t.clone() for t in snap)
-        self.stacked = None
+        self.hold(*(t.clone() for t in snap))
 
     @staticmethod
     def bytes_for(conv_kernel: int, conv_dim: int, n_v_heads: int, dk: int, dv: int) -> int:
         return 4 * ((conv_kernel - 1) * conv_dim + n_v_heads * dk * dv)
+
+
+@dataclass(eq=False)
+class DeltaNetStack:
+    """The conv inputs [n, K-1, C] and states [n, H, dk, dv] of n sequences that decode together, each
+    cache holding views of its row: while the same sequences keep decoding together, later steps find
+    them stacked already."""
+    conv: torch.Tensor
+    state: torch.Tensor
+
+    @classmethod
+    def of(cls, caches: list[DeltaNetCache]) -> "DeltaNetStack":
+        """The caches' stack, rows in this order: theirs when they are its rows so, else a new one."""
+        stack = caches[0].stack
+        if stack is not None and stack.conv.shape[0] == len(caches) and \
+                all(c.stack is stack and c.row == i for i, c in enumerate(caches)):
+            return stack
+        stack = cls(torch.stack([c.conv for c in caches]), torch.stack([c.state for c in caches]))
+        for i, c in enumerate(caches):
+            c.hold(stack.conv[i], stack.state[i])
+            c.stack, c.row = stack, i
+        return stack

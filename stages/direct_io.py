@@ -1,6 +1,7 @@
 """Reading a file's bytes into fresh memory fast: large reads go straight from the disk into the
 tensor's own pages (O_DIRECT, page-aligned buffers faulted in ahead on a second thread), smaller
-ones through the page cache; reads may run on background threads until finish_reads.
+ones through the page cache; reads may run on background threads until their load waits
+(kernels.weights.Loading).
 """
 from __future__ import annotations
 
@@ -30,32 +31,25 @@ class _Threads:
         return cls.readers, cls.toucher
 
 
-def read_bytes(path: str, offset: int, nbytes: int, pending: list | None = None) -> torch.Tensor | None:
+def read_bytes(path: str, offset: int, nbytes: int, loading=None) -> torch.Tensor | None:
     """nbytes of the file from offset on, as a new uint8 tensor; None if the file ends first.
 
     Large reads go straight from the disk into the tensor's memory (O_DIRECT): no copy, and the page
     cache is not filled with a second copy of the weights, which a 24 GB machine holding 15 GB of them
     has no room for. Where the file system refuses O_DIRECT, reads go through the cache.
 
-    With `pending`, direct reads run on background threads and their futures are appended to it: the
-    bytes are there (and the file long enough) once finish_reads(pending) returns True. The next
+    With `loading` (a kernels.weights.Loading), direct reads run on background threads that it waits
+    for: the bytes are there (and the file long enough) once loading.wait() returns True. The next
     tensors' pages are then prepared while the disk still fills this one's."""
     if nbytes >= DIRECT_MIN and hasattr(os, "O_DIRECT"):
-        return _read_direct(path, offset, nbytes, pending)
+        return _read_direct(path, offset, nbytes, loading)
     out = torch.empty(nbytes, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(offset)
         return out if f.readinto(out.numpy()) == nbytes else None
 
 
-def finish_reads(pending: list) -> bool:
-    """Waits for the reads read_bytes left running; False if the file ended before one of them."""
-    complete = all([read.result() for read in pending])
-    pending.clear()
-    return complete
-
-
-def _read_direct(path: str, offset: int, nbytes: int, pending: list | None) -> torch.Tensor | None:
+def _read_direct(path: str, offset: int, nbytes: int, loading) -> torch.Tensor | None:
     """Reads the aligned pages around [offset, offset + nbytes) into one buffer and returns the view of
     the asked bytes (at most 8 KB more memory than asked). Each chunk's pages are faulted in before the
     disk fills them, on two threads: on a virtual machine the first touch of fresh memory costs as much
@@ -72,8 +66,8 @@ def _read_direct(path: str, offset: int, nbytes: int, pending: list | None) -> t
         size = min(DIRECT_CHUNK, length - start)
         _touch(pages[start:start + size])
         read = (path, view[start:start + size], pos + start, min(size, skip + nbytes - start))
-        if pending is not None:
-            pending.append(_Threads.get()[0].submit(_read_chunk, *read))
+        if loading is not None:
+            loading.defer(_Threads.get()[0].submit(_read_chunk, *read))
         elif not _read_chunk(*read):      # here, not behind the background reads
             return None
     return pages[skip:skip + nbytes]

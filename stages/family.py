@@ -1,14 +1,18 @@
-"""What every model family shares: the config fields all of them have, the tensors outside the layers,
-and the pre-norm residual block each layer is."""
+"""What a model family is: the `Family` contract every family module fills in (and the one registry of
+them), the config fields all families have, the tensors outside the layers, and the pre-norm residual
+block each layer is. docs/families.md says how to add a family."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
 from kernels.norms import rms_norm
 
+from .cache import KVCache
 from .errors import ModelFormatError
+from .moe import MoE, MoESpec
 
 
 @dataclass
@@ -102,3 +106,77 @@ class Block:
         """One token of each of x's rows, caches what the mixer's decode_inputs gave (updated in place)."""
         h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+
+class MixerSpec(Protocol):
+    """What a layer's token mixer declares (stages.attention.AttentionSpec, stages.deltanet.DeltaNetSpec)."""
+
+    def tensor_shapes(self, p: str, hidden: int) -> dict: ...
+
+    def cache_bytes(self, positions: int, chunk: int) -> int:
+        """The most one sequence's cache takes when it holds at most `positions` positions and a step
+        brings at most `chunk` tokens of it."""
+
+    def prefix_bytes(self, block: int) -> tuple[int, int]:
+        """(bytes per cached block, bytes per snapshot at a block's end) in the prefix cache."""
+
+    def build(self, w, p: str, eps: float, rope: tuple[torch.Tensor, float], max_len: int):
+        """The mixer of the layer whose tensors start with `p` (see Block for what it provides)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything a model family provides; the loader, stages, memory planning, expert actors and the
+    converter read a family only through this. Tensors use llama.cpp's GGUF names and conventions for
+    `arch`; `hf_weights` maps an HF checkpoint onto them."""
+    arch: str                           # GGUF general.architecture
+    hf_model_types: tuple[str, ...]     # config.json model_type values it reads
+    tokenizer_pre: str                  # tokenizer.ggml.pre that deploy.convert writes
+    config_from_gguf: Callable          # (metadata, where) -> config (a ModelConfig)
+    config_from_hf: Callable            # (config.json dict, where) -> config
+    gguf_metadata: Callable             # config -> its `<arch>.*` GGUF keys (the inverse of config_from_gguf)
+    hf_weights: Callable                # (SafetensorsDir, config) -> its tensor source (a safetensors_dir.HFWeights)
+    layer_mixer: Callable               # (config, layer) -> MixerSpec: the one place a layer's kind is decided
+    rope: Callable                      # config -> (inverse frequencies, cos/sin multiplier) of its attention
+    moe_spec: Callable                  # config -> MoESpec of every layer's feed-forward
+
+    def layer_tensor_shapes(self, cfg: ModelConfig, i: int) -> dict:
+        """Every tensor of layer i with its shape in torch order (GGUF ne reversed)."""
+        p = f"blk.{i}."
+        return {**Block.norm_shapes(i, cfg.hidden), **self.layer_mixer(cfg, i).tensor_shapes(p, cfg.hidden),
+                **self.moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
+
+    def layer_cache_bytes(self, cfg: ModelConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
+        """The most one sequence's cache of layer i takes: for a full context, or for a sequence never longer
+        than `length`; `chunk`: the most tokens of one sequence a step holds."""
+        positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
+        return self.layer_mixer(cfg, i).cache_bytes(positions, chunk)
+
+    def layer_prefix_bytes(self, cfg: ModelConfig, i: int, block: int) -> tuple[int, int]:
+        """(bytes per cached block, bytes per snapshot) of layer i in the prefix cache."""
+        return self.layer_mixer(cfg, i).prefix_bytes(block)
+
+    def build_layer(self, cfg: ModelConfig, w, i: int, remote_experts=None) -> Block:
+        """Layer i: its mixer and the MoE feed-forward in the shared pre-norm block."""
+        mixer = self.layer_mixer(cfg, i).build(w, f"blk.{i}.", cfg.rms_eps, self.rope(cfg), cfg.context_length)
+        return Block(w, i, cfg.rms_eps, mixer, MoE(self.moe_spec(cfg), w, i, remote_experts))
+
+
+def families() -> tuple[Family, ...]:
+    """Every family raymoe runs: the one registry (imported when asked: each family module imports this one)."""
+    from . import gptoss, qwen35moe, qwen3next
+    return qwen35moe.FAMILY, gptoss.FAMILY, qwen3next.FAMILY
+
+
+def find_family(where: str, gguf_arch: str | None = None, hf_model_type: str | None = None) -> Family:
+    """The family of a GGUF architecture or of an HF config.json model_type, or a ModelFormatError naming
+    the ones supported."""
+    for family in families():
+        if (gguf_arch is not None and gguf_arch == family.arch) or hf_model_type in family.hf_model_types:
+            return family
+    if gguf_arch is not None:
+        supported = sorted(f.arch for f in families())
+        raise ModelFormatError(f"{where}: unknown architecture {gguf_arch!r} (supported: {', '.join(supported)})")
+    supported = sorted(t for f in families() for t in f.hf_model_types)
+    raise ModelFormatError(f"{where}: unknown architecture (config.json model_type {hf_model_type!r}; "
+                           f"supported: {', '.join(supported)})")

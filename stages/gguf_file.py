@@ -209,6 +209,9 @@ def split_parts(path: str) -> list[str]:
 
 
 class GGUFFile:
+    """A GGUF file as a tensor source (stages.loader.TensorSource)."""
+    in_file_format = True       # weights are the file's bytes as read for them
+
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise ModelFormatError(f"{path}: no such file")
@@ -243,11 +246,11 @@ class GGUFFile:
         """Shape in ggml order (fastest dimension first), as llama.cpp reports it."""
         return self.info(name).shape
 
-    def raw_tensor(self, name: str, leading: range | None = None, pending: list | None = None) -> tuple[torch.Tensor, int]:
+    def raw(self, name: str, leading: range | None = None, loading=None) -> tuple[torch.Tensor, int]:
         """The tensor's bytes as stored, uint8 [..., rows, bytes per row] in torch order, and its ggml
         type; with `leading`, only that slice of the slowest dimension (the experts an expert actor
-        holds: one contiguous range of the file); with `pending`, large reads may still be running on
-        return, as read_bytes leaves them.
+        holds: one contiguous range of the file); with `loading` (kernels.weights.Loading), large reads
+        may still be running on return, as read_bytes leaves them.
 
         Read from the file rather than mapped: a stage's resident memory is then exactly its
         weights, and decode runs faster from it (see docs/memory.md)."""
@@ -260,10 +263,14 @@ class GGUFFile:
                 raise ModelFormatError(f"{self.path}: tensor {name} {list(shape)} has no slice {leading}")
             raw_shape, first = (len(leading), *raw_shape[1:]), leading.start
         per_leading = t.n_bytes // shape[0] if len(shape) > 1 else t.n_bytes
-        data = read_bytes(t.path, t.data_offset + first * per_leading, int(np.prod(raw_shape, dtype=np.int64)), pending)
+        data = read_bytes(t.path, t.data_offset + first * per_leading, int(np.prod(raw_shape, dtype=np.int64)), loading)
         if data is None:
             raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
         return data.view(raw_shape), t.tensor_type
+
+    def stored_bytes(self, name: str, shape: tuple) -> int:
+        """What a stage holds of the tensor as the file stores it: its bytes."""
+        return self.info(name).n_bytes
 
     def prefetch(self, names) -> None:
         """Starts the kernel reading the small tensors among `names` into the page cache: they are read
@@ -289,7 +296,7 @@ class GGUFFile:
         from kernels.dequant import dequantize
 
         t = self.info(name)
-        raw, ttype = self.raw_tensor(name)
+        raw, ttype = self.raw(name)
         if ttype == 0:     # F32: the bytes are the values
             return raw.view(torch.float32).reshape(t.torch_shape)
         try:

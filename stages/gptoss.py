@@ -23,13 +23,12 @@ import torch
 from kernels.moe import clamped_swiglu, route_topk_softmax
 from kernels.rope import inv_frequencies, yarn_inv_frequencies
 
-from .attention import Attention, AttentionSpec
-from .cache import KVCache
+from .attention import AttentionSpec
 from .errors import ModelFormatError
-from .family import Block, ModelConfig, fields_from_gguf
+from .family import Family, ModelConfig, fields_from_gguf
 from .gguf_file import arch_key_reader
 from .gptoss_hf import GptOssHFWeights
-from .moe import MoE, MoESpec
+from .moe import MoESpec
 
 ARCH = "gpt-oss"
 TOKENIZER_PRE = "gpt-4o"
@@ -180,50 +179,20 @@ def config_from_hf(hf: dict, where: str) -> GptOssConfig:
     return cfg
 
 
-def attention_spec(cfg: GptOssConfig) -> AttentionSpec:
-    return AttentionSpec(cfg.n_head, cfg.n_kv_head, cfg.head_dim, bias=True, sinks=True)
+def layer_mixer(cfg: GptOssConfig, i: int) -> AttentionSpec:
+    """Attention with sinks and biases, over a sliding window on the layers that slide."""
+    window = cfg.sliding_window if cfg.is_sliding(i) else None
+    return AttentionSpec(cfg.n_head, cfg.n_kv_head, cfg.head_dim, bias=True, sinks=True, window=window)
+
+
+def rope(cfg: GptOssConfig):
+    return cfg.rope_tables()
 
 
 def moe_spec(cfg: GptOssConfig) -> MoESpec:
     # router: top-k of the biased logits, softmax over those k
     activation = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     return MoESpec(cfg.n_expert, cfg.n_expert_used, cfg.expert_ff, route_topk_softmax, activation, bias=True)
-
-
-def layer_tensor_shapes(cfg: GptOssConfig, i: int) -> dict:
-    """Every tensor of layer i with its shape in torch order (GGUF ne reversed)."""
-    p = f"blk.{i}."
-    return {**Block.norm_shapes(i, cfg.hidden), **attention_spec(cfg).tensor_shapes(p, cfg.hidden),
-            **moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
-
-
-def layer_cache_bytes(cfg: GptOssConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
-    """The most one sequence's cache of layer i takes: a full context of keys and values (or what a
-    sequence never longer than `length` allocates), or on a sliding layer at most twice the window plus
-    a step's chunk of the sequence (what it holds before trimming)."""
-    positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
-    if cfg.is_sliding(i):
-        positions = min(positions, 2 * cfg.sliding_window + chunk)
-    return KVCache.bytes_for(positions, cfg.n_kv_head, cfg.head_dim)
-
-
-def layer_prefix_bytes(cfg: GptOssConfig, i: int, block: int) -> tuple[int, int]:
-    """(bytes per cached block, bytes per snapshot) of layer i in the prefix cache: a full layer keeps the
-    block's keys and values, a sliding layer its whole cache at a block's end (at most twice the window
-    after a step's trim, KVCache.trim)."""
-    if cfg.is_sliding(i):
-        return 0, KVCache.bytes_for(max(2 * cfg.sliding_window, 16), cfg.n_kv_head, cfg.head_dim)
-    return KVCache.bytes_for(block, cfg.n_kv_head, cfg.head_dim), 0
-
-
-def build_layer(cfg: GptOssConfig, w, i: int, remote_experts=None) -> Block:
-    """Layer i: attention (sliding on some layers) and the MoE feed-forward in the shared pre-norm block."""
-    window = cfg.sliding_window if cfg.is_sliding(i) else None
-    mixer = Attention(attention_spec(cfg), w, f"blk.{i}.", cfg.rms_eps, cfg.rope_tables(), window, cfg.context_length)
-    return Block(w, i, cfg.rms_eps, mixer, MoE(moe_spec(cfg), w, i, remote_experts))
-
-
-hf_weights = GptOssHFWeights    # (SafetensorsDir, config) -> tensors in this module's conventions
 
 
 def gguf_metadata(cfg: GptOssConfig) -> dict:
@@ -244,3 +213,8 @@ def gguf_metadata(cfg: GptOssConfig) -> dict:
         if cfg.rope_attn_factor is not None:
             meta["rope.scaling.attn_factor"] = cfg.rope_attn_factor
     return meta
+
+
+FAMILY = Family(arch=ARCH, hf_model_types=("gpt_oss",), tokenizer_pre=TOKENIZER_PRE, config_from_gguf=config_from_gguf,
+                config_from_hf=config_from_hf, gguf_metadata=gguf_metadata, hf_weights=GptOssHFWeights,
+                layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)

@@ -7,7 +7,7 @@ This is the single place where the two conventions meet; `deploy.convert` writes
 - MXFP4 checkpoints store the experts as `*_blocks` `[E, rows, cols/32, 16]` u8 (two e2m1 codes a byte,
   low nibble = even element) and `*_scales` `[E, rows, cols/32]` u8 (e8m0), rows = output features.
   `get` dequantises them exactly (`LUT[code] · 2^(scale − 127)`, what transformers computes);
-  `raw_tensor` repacks them bit for bit into GGML MXFP4 blocks (scale byte, then byte j = element j
+  `raw` repacks them bit for bit into GGML MXFP4 blocks (scale byte, then byte j = element j
   in the low nibble and j + 16 in the high) so that a converted GGUF holds the same numbers.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import ModelFormatError
-from .safetensors_dir import SafetensorsDir
+from .safetensors_dir import HFWeights, SafetensorsDir
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -66,24 +66,17 @@ def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return out.reshape(*scales.shape[:-1], -1).contiguous().numpy()
 
 
-class GptOssHFWeights:
+class GptOssHFWeights(HFWeights):
     """`get(name)` of a GGUF-convention tensor; cfg is the checkpoint's `gptoss.GptOssConfig`."""
 
     def __init__(self, files: SafetensorsDir, cfg):
-        self.files, self.cfg = files, cfg
+        super().__init__(files, cfg)
         if not files.has("model.embed_tokens.weight"):
             raise ModelFormatError(f"{files.path}: no model.embed_tokens.weight (not a gpt-oss checkpoint?)")
         quant = files.config.get("quantization_config") or {}
         method = quant.get("quant_method")
         if method not in (None, "mxfp4"):
             raise ModelFormatError(f"{files.path}: unsupported quantization {method!r} (supported: mxfp4, none)")
-
-    def _hf(self, name: str) -> torch.Tensor:
-        return self.files.get(name).float()
-
-    def has(self, name: str) -> bool:
-        """Only the LM head is optional (tied to the embedding when absent)."""
-        return self.files.has("lm_head.weight") if name == "output.weight" else True
 
     def _split(self, name: str):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
@@ -114,9 +107,9 @@ class GptOssHFWeights:
     def _rows(t: torch.Tensor, rows: str) -> torch.Tensor:
         return t[:, 0::2] if rows == "even" else t[:, 1::2] if rows == "odd" else t
 
-    def raw_tensor(self, name: str):
+    def raw(self, name: str, experts: range | None = None, loading=None):
         """(GGML MXFP4 bytes [E, rows, cols/32*17], GGMLQuantizationType.MXFP4) for an expert weight stored as
-        MXFP4, else None (the tensor is then written from `get`)."""
+        MXFP4 (with `experts`, that slice of E), else None (the tensor is then read from `get`)."""
         from gguf import GGMLQuantizationType
 
         if name in GLOBAL_MAP:
@@ -131,4 +124,6 @@ class GptOssHFWeights:
             return None
         blocks = self._rows(self.files.get(hf + "_blocks"), rows)
         scales = self._rows(self.files.get(hf + "_scales"), rows)
-        return mxfp4_to_ggml(blocks, scales), GGMLQuantizationType.MXFP4
+        if experts is not None:
+            blocks, scales = blocks[experts.start:experts.stop], scales[experts.start:experts.stop]
+        return torch.from_numpy(mxfp4_to_ggml(blocks, scales)), GGMLQuantizationType.MXFP4

@@ -8,17 +8,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kernels.int8 import quantize_rows
-from kernels.weights import BLOCK_TYPES, F32, BlockWeight, ConcatWeight, DenseWeight, cat_weights
+from kernels.weights import BLOCK_TYPES, F32, BlockWeight, ConcatWeight, DenseWeight, Loading, cat_weights
 from models import EMBEDDED, embedded_model_path
 
 from .errors import ModelFormatError
-from .family import global_tensor_shapes
+from .family import Family, find_family, global_tensor_shapes
 from .gguf_file import GGUFFile
 
 EMBEDDED_MODELS = tuple(EMBEDDED)
@@ -36,11 +35,6 @@ def mode_device_error(mode: str, device: str) -> str | None:
     if str(device).startswith("cuda") and mode == "int8":
         return "--dtype int8 is a CPU mode (int8 rows); with --device cuda use auto or float32"
     return None
-
-
-def architectures() -> dict[str, ModuleType]:
-    from . import gptoss, qwen35moe
-    return {qwen35moe.ARCH: qwen35moe, gptoss.ARCH: gptoss}
 
 
 # llama.cpp's GGUF keys of sampling defaults (gguf.Keys.General.SAMPLING_*) -> SamplingParams fields
@@ -70,15 +64,34 @@ def sampling_defaults(path: str, metadata: dict | None = None) -> dict:
     return model_defaults(values, path)
 
 
-HF_MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "gpt_oss": "gpt-oss"}
+class TensorSource(Protocol):
+    """Where a model's tensors come from, under their GGUF names in the GGUF conventions: a GGUF file
+    (gguf_file.GGUFFile) or an HF checkpoint through its family's adapter (safetensors_dir.HFWeights)."""
+    in_file_format: bool    # weights are the file's own bytes, read for them (joining two would copy them)
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor's values, float32, in torch order."""
+
+    def raw(self, name: str, experts: range | None = None, loading: Loading | None = None) -> tuple | None:
+        """Its bytes in a GGML type, uint8 [..., rows, bytes per row], and the type (with `experts`, that slice
+        of the leading dimension; with `loading`, the bytes may still be arriving until it waits), or None
+        where the source holds its values only."""
+
+    def stored_bytes(self, name: str, shape: tuple) -> int:
+        """What a stage holds of it in the auto and float32 modes."""
+
+    def prefetch(self, names) -> None:
+        """A hint: these tensors are read next."""
 
 
 @dataclass
 class ModelFiles:
     path: str
-    arch: ModuleType
+    family: Family
     config: Any
-    source: Any               # get(name) -> float32 tensor in GGUF conventions; has(name)
+    source: TensorSource
     tokenizer: Any
     # the model's own sampling defaults (SamplingParams field -> value), used where a request gives none
     sampling_defaults: dict = field(default_factory=dict)
@@ -90,7 +103,7 @@ class ModelFiles:
     def expected_shapes(self, layers: range, first: bool, last: bool) -> dict:
         shapes = {}
         for i in layers:
-            shapes.update(self.arch.layer_tensor_shapes(self.config, i))
+            shapes.update(self.family.layer_tensor_shapes(self.config, i))
         glob = global_tensor_shapes(self.config)
         if first or (last and not self.source.has("output.weight")):
             shapes["token_embd.weight"] = glob["token_embd.weight"]
@@ -109,35 +122,32 @@ class ModelFiles:
             t = t[experts.start:experts.stop].clone()
         return t.float().contiguous()
 
-    def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None, pending: list | None = None):
+    def matrix(self, name: str, shape: tuple, mode: str, experts: range | None = None,
+               loading: Loading | None = None):
         """A weight matrix (or stack of them) for products, in the form `mode` asks (see MODES); with
-        `experts`, only that slice of its leading (expert) dimension. With `pending`, its bytes may
-        still be arriving on return (see direct_io.finish_reads)."""
+        `experts`, only that slice of its leading (expert) dimension. With `loading`, its bytes may
+        still be arriving on return (until loading.wait())."""
         if mode == "int8":
             t = self.tensor(name, shape, experts)
             return quantize_rows(t) or DenseWeight(t)
-        if isinstance(self.source, GGUFFile):
-            self._check_shape(name, self.source.info(name).torch_shape, shape)
-            data, ggml_type = self.source.raw_tensor(name, experts, pending)
-        else:
-            raw = self.source.raw_tensor(name) if hasattr(self.source, "raw_tensor") else None
-            if raw is None:
-                return DenseWeight(self.tensor(name, shape, experts))
-            data, ggml_type = torch.as_tensor(raw[0]), raw[1]
-            self._check_shape(name, (*data.shape[:-1], shape[-1]), shape)
-            if experts is not None:
-                data = data[experts.start:experts.stop].clone()
+        raw = self.source.raw(name, experts, loading)
+        if raw is None:
+            return DenseWeight(self.tensor(name, shape, experts))
+        data, ggml_type = raw
+        self._check_shape(name, _stored_shape(data, ggml_type),
+                          shape if experts is None else (len(experts), *shape[1:]))
         return self._weight(name, data, ggml_type, shape[-1], mode)
 
     def fused_matrix(self, names: list[str], shapes: list[tuple], mode: str, dim: int, experts: range | None = None,
-                     pending: list | None = None):
+                     loading: Loading | None = None):
         """Weights joined along output dimension `dim`, as kernels.weights.cat_weights joins them; but
-        expert stacks (dim 1) from a GGUF file stay one weight per tensor (joining gate and up experts
-        would copy two thirds of a MoE file at load): a ConcatWeight, whose two block weights the CPU
-        kernels still multiply in one call (docs/memory.md)."""
-        if dim == 1 and len(names) > 1 and mode != "int8" and isinstance(self.source, GGUFFile):
-            return ConcatWeight([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim)
-        return cat_weights([self.matrix(n, s, mode, experts, pending) for n, s in zip(names, shapes)], dim, pending)
+        expert stacks (dim 1) that are a file's own bytes stay one weight per tensor (joining gate and up
+        experts would copy two thirds of a MoE file at load): a ConcatWeight, whose two block weights the
+        CPU kernels still multiply in one call (docs/memory.md)."""
+        parts = [self.matrix(n, s, mode, experts, loading) for n, s in zip(names, shapes)]
+        if dim == 1 and len(names) > 1 and mode != "int8" and self.source.in_file_format:
+            return ConcatWeight(parts, dim)
+        return cat_weights(parts, dim, loading)
 
     def _weight(self, name: str, data: torch.Tensor, ggml_type: int, k: int, mode: str):
         if int(ggml_type) == F32:
@@ -150,6 +160,13 @@ class ModelFiles:
     def _check_shape(self, name: str, got, expected):
         if tuple(got) != tuple(expected):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(got)}, expected {list(expected)}")
+
+
+def _stored_shape(data: torch.Tensor, ggml_type: int) -> tuple:
+    """The shape (torch order) of the values that bytes [..., rows, bytes per row] of a GGML type hold."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+    return (*data.shape[:-1], data.shape[-1] // size * block)
 
 
 def _type_name(ggml_type: int) -> str:
@@ -180,31 +197,23 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
     from .tokenizer import Tokenizer
 
     path = resolve_model_path(model)
-    archs = architectures()
     if os.path.isdir(path):
         from .safetensors_dir import SafetensorsDir
         files = SafetensorsDir(path)
-        model_type = files.config.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ModelFormatError(f"{path}: unknown architecture (config.json model_type {model_type!r}; "
-                                   f"supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-        arch = archs[HF_MODEL_TYPES[model_type]]
-        config = arch.config_from_hf(files.config, path)
-        source = arch.hf_weights(files, config)
+        family = find_family(path, hf_model_type=files.config.get("model_type"))
+        config = family.config_from_hf(files.config, path)
+        source = family.hf_weights(files, config)
         tokenizer = Tokenizer.from_hf_dir(path)
         defaults = sampling_defaults(path)
     else:
         gguf = GGUFFile(path)
-        if gguf.architecture not in archs:
-            raise ModelFormatError(f"{path}: unknown architecture {gguf.architecture!r} "
-                                   f"(supported: {', '.join(sorted(archs))})")
-        arch = archs[gguf.architecture]
+        family = find_family(path, gguf_arch=gguf.architecture)
         # before the architecture loops over its layers: a damaged count must not run for billions
         n_blocks = gguf.metadata.get(f"{gguf.architecture}.block_count")
         held = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
         if isinstance(n_blocks, int) and n_blocks > len(held):
             raise ModelFormatError(f"{path}: block_count {n_blocks}, but the file holds tensors of {len(held)} blocks")
-        config = arch.config_from_gguf(gguf.metadata, path)
+        config = family.config_from_gguf(gguf.metadata, path)
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         defaults = sampling_defaults(path, gguf.metadata)
@@ -212,5 +221,5 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
         raise ModelFormatError(f"--max-model-len {max_model_len} must be at least 2")
     if max_model_len is not None:
         config.context_length = min(config.context_length, max_model_len)
-    return ModelFiles(path=path, arch=arch, config=config, source=source, tokenizer=tokenizer,
+    return ModelFiles(path=path, family=family, config=config, source=source, tokenizer=tokenizer,
                       sampling_defaults=defaults)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_file import GGUFFile
 from .loader import ModelFiles
 
 RUNTIME_BYTES = 768 << 20     # interpreter, torch, the kernels' buffers and one step's activations
@@ -36,9 +35,7 @@ def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
         return 4 * n                                   # values are held as float32
     if mode == "int8":
         return n + 4 * n // shape[-1]                  # int8 rows and a scale each
-    if isinstance(model.source, GGUFFile):
-        return model.source.info(name).n_bytes
-    return 4 * n
+    return model.source.stored_bytes(name, shape)
 
 
 def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) -> StageNeed:
@@ -46,14 +43,14 @@ def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) ->
     first, last = layers.start == 0, layers.stop == model.n_layers
     shapes = model.expected_shapes(layers, first, last)
     weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
-    caches = sum(model.arch.layer_cache_bytes(model.config, i, chunk=chunk) for i in layers)   # a full context each
+    caches = sum(model.family.layer_cache_bytes(model.config, i, chunk=chunk) for i in layers)   # a full context each
     return StageNeed(layers, weights, caches)
 
 
 def prefix_block_bytes(model: ModelFiles, layers: range, block: int) -> tuple[int, int]:
     """(keys and values of one block of `block` tokens, one snapshot at a block's end) that the prefix cache
     keeps for these layers (stages/prefix_store.py)."""
-    parts = [model.arch.layer_prefix_bytes(model.config, i, block) for i in layers]
+    parts = [model.family.layer_prefix_bytes(model.config, i, block) for i in layers]
     return sum(kv for kv, _ in parts), sum(snap for _, snap in parts)
 
 
@@ -80,8 +77,8 @@ class CacheBudget:
 
     def need(self, length: int) -> tuple[int, ...]:
         """Bytes per stage for a sequence that never holds more than `length` positions."""
-        arch, cfg = self.model.arch, self.model.config
-        return tuple(sum(arch.layer_cache_bytes(cfg, i, length, self.chunk) for i in r) for r in self.ranges)
+        family, cfg = self.model.family, self.model.config
+        return tuple(sum(family.layer_cache_bytes(cfg, i, length, self.chunk) for i in r) for r in self.ranges)
 
     def fits(self, need: tuple[int, ...]) -> bool:
         return all(u + n <= b for u, n, b in zip(self.used, need, self.budget))

@@ -14,7 +14,7 @@ import re
 import torch
 
 from .errors import ModelFormatError
-from .safetensors_dir import SafetensorsDir
+from .safetensors_dir import HFWeights, SafetensorsDir
 
 # GGUF suffix -> (HF suffix under model.layers.N., transform name)
 LAYER_MAP = {
@@ -51,21 +51,14 @@ def grouped_to_tiled(t: torch.Tensor, n_k: int, n_v: int) -> torch.Tensor:
     return t.reshape(n_k, r, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-class Qwen35MoeHFWeights:
+class Qwen35MoeHFWeights(HFWeights):
     """`get(name)` of a GGUF-convention tensor; cfg is the checkpoint's `qwen35moe.Qwen35MoeConfig`."""
 
     def __init__(self, files: SafetensorsDir, cfg):
-        self.files, self.cfg = files, cfg
+        super().__init__(files, cfg)
         self.prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
         if not files.has(self.prefix + "embed_tokens.weight"):
             raise ModelFormatError(f"{files.path}: no embed_tokens tensor (not a Qwen3.5-MoE checkpoint?)")
-
-    def _hf(self, name: str) -> torch.Tensor:
-        return self.files.get(name).float()
-
-    def has(self, name: str) -> bool:
-        """Only the LM head is optional (tied to the embedding when absent)."""
-        return self.files.has("lm_head.weight") if name == "output.weight" else True
 
     def get(self, name: str) -> torch.Tensor:
         if name == "output.weight":
@@ -98,7 +91,7 @@ class Qwen35MoeHFWeights:
         if how == "tile_v_rows":
             return grouped_to_tiled(t, c.n_k_heads, c.n_v_heads)
         if how == "tile_v_rows_after_qk":
-            qk, v = t[:2 * c.key_dim], t[2 * c.key_dim:]
+            qk, v = t[:2 * c.k_head_dim * c.n_k_heads], t[2 * c.k_head_dim * c.n_k_heads:]
             return torch.cat((qk, grouped_to_tiled(v, c.n_k_heads, c.n_v_heads)))
         if how == "conv":
             return self._transform(t.reshape(t.shape[0], -1), "tile_v_rows_after_qk")

@@ -6,6 +6,7 @@ only for its own layers never reads the others.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -71,3 +72,29 @@ class SafetensorsDir:
             return self._handles[self.file_of[name]].get_tensor(name)
         except Exception as e:
             raise ModelFormatError(f"{self.path}: tensor {name} cannot be read ({e})") from None
+
+
+class HFWeights:
+    """A family's view of an HF checkpoint as a tensor source (stages.loader.TensorSource): a subclass gives
+    `get(name)`, the tensor under its GGUF name in the GGUF conventions, as float32 values, and `raw` for
+    what the checkpoint holds in a GGML type. Only the LM head may be absent (tied to the embedding)."""
+    in_file_format = False      # tensors are made for the stage, not the file's bytes
+
+    def __init__(self, files: SafetensorsDir, cfg):
+        self.files, self.cfg = files, cfg
+
+    def _hf(self, name: str) -> torch.Tensor:
+        return self.files.get(name).float()
+
+    def has(self, name: str) -> bool:
+        return self.files.has("lm_head.weight") if name == "output.weight" else True
+
+    def raw(self, name: str, experts: range | None = None, loading=None) -> tuple[torch.Tensor, int] | None:
+        """None: the checkpoint holds the tensor's values only (get)."""
+        return None
+
+    def stored_bytes(self, name: str, shape: tuple) -> int:
+        return 4 * math.prod(shape)         # float32 values
+
+    def prefetch(self, names) -> None:
+        pass

@@ -9,10 +9,9 @@ import torch
 from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
 from kernels.threads import loading_threads, torch_threads_for
-from kernels.weights import cat_weights
+from kernels.weights import Loading, cat_weights
 
 from .batch import StepBatch, StepContext
-from .direct_io import finish_reads
 from .errors import ModelFormatError
 from .loader import MODES, ModelFiles, mode_device_error
 from .prefix_store import PrefixStore
@@ -43,31 +42,30 @@ class StageWeights:
         self.model, self.shapes, self.mode, self.progress = model, shapes, mode, progress
         self.device = torch.device(device)
         self.nbytes = 0
-        self.pending: list = []        # reads still filling weights handed out (see finish)
-        if hasattr(model.source, "prefetch"):
-            model.source.prefetch(shapes)
+        self.loading = Loading()        # reads still filling weights handed out, and joins behind them (see finish)
+        model.source.prefetch(shapes)
 
     def __call__(self, name: str, experts: range | None = None) -> torch.Tensor:
         return self._count(self.model.tensor(name, self.shapes[name], experts))
 
     def matrix(self, name: str, experts: range | None = None):
-        return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts, self.pending))
+        return self._count(self.model.matrix(name, self.shapes[name], self.mode, experts, self.loading))
 
     def matrices(self, names: list[str], dim: int, experts: range | None = None):
         """Weights joined along output dimension `dim` (see ModelFiles.fused_matrix)."""
         return self._count(self.model.fused_matrix(names, [self.shapes[n] for n in names], self.mode, dim, experts,
-                                                   self.pending))
+                                                   self.loading))
 
     def join(self, weights: list, dim: int = 0):
         """Weights handed out, joined along output dimension `dim` (kernels.weights.cat_weights); their
         bytes may still be arriving, so the join waits with them (see finish)."""
-        return cat_weights(weights, dim, self.pending)
+        return cat_weights(weights, dim, self.loading)
 
     def finish(self) -> None:
         """Waits until every weight handed out holds its bytes: call it before using them. Reading
         the next tensors while the disk still fills the last ones keeps the disk busy. A file that
         ended first (cut short after it was opened) is refused here."""
-        if not finish_reads(self.pending):
+        if not self.loading.wait():
             raise ModelFormatError(f"{self.model.path}: truncated GGUF file")
 
     def _count(self, t):
@@ -98,7 +96,7 @@ class Stage:
         with loading_threads(mode):
             w = self.weights = StageWeights(model, shapes, mode, progress, device)
             self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
-            self.layers = [model.arch.build_layer(model.config, w, i, remote_experts) for i in layers]
+            self.layers = [model.family.build_layer(model.config, w, i, remote_experts) for i in layers]
             if self.last:
                 self.norm = w("output_norm.weight")
                 self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed

@@ -23,6 +23,19 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def oracle(tmp_path_factory):
+    """oracle(family) -> hf_models.Oracle, built once per session (the family tests share them)."""
+    from hf_models import build_oracle
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_oracle(family, str(tmp_path_factory.mktemp(f"oracle-{family}")))
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session")
 def ray_session(_isolated_cache):
     """One local Ray cluster for every test marked `cluster`, started by the first of them, with CPU slots
     for PP=4 x EP=2 plus the coordinator."""

@@ -1,6 +1,9 @@
 """Tiny HF transformers models built in the tests: the exact float32 oracles (docs/model-formats.md §5)."""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
 QWEN_CONFIG = dict(
@@ -35,6 +38,21 @@ def make_qwen35moe(out_dir: str, seed: int = 0, **overrides):
     cfg = Qwen3_5MoeTextConfig(**{**QWEN_CONFIG, **overrides})
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    randomise(model, seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def make_qwen3next(out_dir: str, seed: int = 0, **overrides):
+    """Qwen3.5-MoE's tiny shapes (their V heads 3 per K head, so grouped and tiled orders differ), with
+    Qwen3-Next's rope (no multi-section) and full attention every 4th layer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = {k: v for k, v in QWEN_CONFIG.items() if k != "rope_parameters"}
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    cfg = Qwen3NextConfig(**{**config, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(cfg).float().eval()
     randomise(model, seed)
     model.save_pretrained(out_dir)
     return model
@@ -177,3 +195,32 @@ def assert_greedy_matches(model_files, oracle, prompt: list[int], n_new: int = 2
         ref = oracle.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
     assert seq.output_ids == ref[0, len(prompt):].tolist()
+
+
+@dataclass
+class Oracle:
+    """A family's tiny transformers model, its HF directory (with the family's tiny tokenizer), the GGUF
+    deploy.convert writes from it, and a random prompt."""
+    family: str             # the tools.tiny_tokenizer family and ORACLES key
+    dir: str
+    model: torch.nn.Module
+    gguf: str
+    prompt: list
+
+
+# family -> (builder, prompt length): one oracle per family in stages.family.families()
+ORACLES = {"qwen35moe": (make_qwen35moe, 70), "gptoss": (make_gptoss, 48), "qwen3next": (make_qwen3next, 70)}
+
+
+def build_oracle(family: str, root: str) -> Oracle:
+    from deploy.convert import convert
+    from stages.tokenizer import Tokenizer
+    from tools.tiny_tokenizer import build_tiny_tokenizer
+
+    make, prompt_len = ORACLES[family]
+    d = os.path.join(root, family)
+    build_tiny_tokenizer(d, family)
+    model = make(d, seed=0, vocab_size=Tokenizer.from_hf_dir(d).vocab_size)
+    gguf = convert(d, os.path.join(root, f"{family}.gguf"), "f32", progress=False)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    return Oracle(family, d, model, gguf, prompt.tolist())

@@ -76,6 +76,16 @@ def test_expert_parallel_is_bit_identical(reference):
     assert results == expected
 
 
+def test_qwen3next_pipeline_and_experts_are_bit_identical(oracle):
+    """The third family (its DeltaNet V heads in HF's grouped order) from its converted GGUF: PP=2 over the
+    shared-memory rings and PP=2 x EP=2 equal PP=1 bit for bit."""
+    path = oracle("qwen3next").gguf
+    expected, _ = run(path, pp=1)
+    assert all("error" not in r for r in expected) and any(r["prompt_logprobs"] for r in expected)
+    assert run(path, pp=2, transport="shm")[0] == expected
+    assert run(path, pp=2, ep=2)[0] == expected
+
+
 def test_an_itl_target_reaches_the_scheduler(reference):
     """--itl-target-ms at 1 ms (far below any step here): while sequences decode, prompts go on in the
     smallest chunks, so the same requests take more steps, and every one still completes."""

@@ -16,7 +16,7 @@ from stages.batch import StepBatch
 from stages.loader import open_model
 from stages.stage import Stage
 
-QWEN, GPTOSS = "qwen3.5-35b-a3b", "gpt-oss-20b"
+QWEN, QWEN3NEXT, GPTOSS = "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "gpt-oss-20b"
 # gpt-oss rows (2880, 320, 128) are whole 32-blocks but not 256-blocks: llama.cpp's substitutes,
 # with Q4_0 for its IQ4_NL
 GPTOSS_K_FALLBACK = {"q2_k": Q.Q4_0, "q3_k": Q.Q4_0, "q4_k": Q.Q5_0, "q5_k": Q.Q5_1, "q6_k": Q.Q8_0}
@@ -26,8 +26,8 @@ F32_SUFFIXES = ("norm.weight", ".bias", "ssm_a", "ssm_conv1d.weight", "attn_sink
 
 def small_config(model):
     """The model's config made narrow (all the tensor kinds, a few MB), for tests of types and bytes."""
-    if model == QWEN:
-        cfg = ms.MODELS[QWEN].make_config(4, 1024)      # layer 3 is full attention
+    if model in (QWEN, QWEN3NEXT):
+        cfg = ms.MODELS[model].make_config(4, 1024)     # layer 3 is full attention
         return dataclasses.replace(cfg, hidden=256, n_head=2, n_kv_head=1, n_expert=4, n_expert_used=2,
                                    expert_ff=256, shared_ff=256, n_k_heads=1, n_v_heads=2)
     cfg = ms.MODELS[GPTOSS].make_config(2, 1024)
@@ -38,7 +38,7 @@ def write_small(model, path, seed=0, qtype=None, mix=None):
     spec = ms.MODELS[model]
     cfg = small_config(model)
     mix = None if qtype is not None else mix or spec.default_mix
-    plan = ms.tensor_plan(spec.arch, cfg, qtype, mix)
+    plan = ms.tensor_plan(spec.family, cfg, qtype, mix)
     ms.write_synthetic(str(path), model, cfg, plan, ms.synthetic_tokenizer(spec.tokenizer_family),
                        ms.FILE_TYPES[mix or qtype], seed, progress=False)
     return plan
@@ -73,14 +73,14 @@ def test_cli_file_runs_at_full_width(model, tmp_path):
         loaded = finite_logits(path)
         spec = ms.MODELS[model]
         released = spec.make_config(spec.n_layers, spec.vocab)
-        assert loaded.arch is spec.arch and loaded.config.n_layers == 1 and loaded.config.vocab == 1024
+        assert loaded.family is spec.family and loaded.config.n_layers == 1 and loaded.config.vocab == 1024
         for field in ("hidden", "n_head", "n_kv_head", "head_dim", "n_expert", "n_expert_used", "expert_ff", "rms_eps"):
             assert getattr(loaded.config, field) == pytest.approx(getattr(released, field)), field
-        assert loaded.source.metadata[f"{spec.arch.ARCH}.context_length"] == released.context_length
+        assert loaded.source.metadata[f"{spec.family.arch}.context_length"] == released.context_length
         assert loaded.tokenizer.vocab_size == 1024 and loaded.tokenizer.chat_template
         assert loaded.tokenizer.eos_token_ids
         types = file_types(path)
-        assert len(types) == len(ms.tensor_plan(spec.arch, loaded.config, mix=spec.default_mix))
+        assert len(types) == len(ms.tensor_plan(spec.family, loaded.config, mix=spec.default_mix))
         assert not os.path.exists(str(path) + ".partial")
     finally:
         path.unlink(missing_ok=True)
@@ -121,10 +121,21 @@ def test_every_type_writes_its_ggml_type(kind, tmp_path):
         path.unlink()
 
 
+def test_qwen3_next_file_runs(tmp_path):
+    """Qwen3-Next's released shapes, narrowed: llama.cpp's qwen3next tensors (one ssm_ba, no ssm_beta), and
+    raymoe runs the file."""
+    path = tmp_path / "model.gguf"
+    plan = write_small(QWEN3NEXT, path)
+    types = file_types(path)
+    assert list(types) == [t.name for t in plan]
+    assert "blk.0.ssm_ba.weight" in types and "blk.0.ssm_beta.weight" not in types
+    assert finite_logits(path).family.arch == "qwen3next"
+
+
 def plan_types(model, mix):
     spec = ms.MODELS[model]
     cfg = spec.make_config(spec.n_layers, spec.vocab)
-    return {t.name: t.qtype for t in ms.tensor_plan(spec.arch, cfg, mix=mix)}
+    return {t.name: t.qtype for t in ms.tensor_plan(spec.family, cfg, mix=mix)}
 
 
 def test_mixes_give_llama_cpp_like_types():

@@ -62,7 +62,7 @@ def test_real_caches_stay_within_the_charge(name, monkeypatch):
 def test_admission_waits_for_memory_first_come_first_served(model):
     """With room for two full contexts, six short sequences run at once; a full-context one waits until
     finished ones leave room for it, and one behind it waits too (first come, first served)."""
-    full = sum(model.arch.layer_cache_bytes(model.config, i) for i in range(model.n_layers))
+    full = sum(model.family.layer_cache_bytes(model.config, i) for i in range(model.n_layers))
     core = EngineCore(model.config, model.tokenizer, n_groups=1, max_running=64)
     budget = core.cache_budget = CacheBudget(model, [range(model.n_layers)], [2 * full])
     short = [core.add_request(f"s{i}", [5, 6, 7], greedy(20)) for i in range(6)]
@@ -88,7 +88,7 @@ def test_admission_waits_for_memory_first_come_first_served(model):
 
 
 def test_a_request_that_can_never_fit_is_refused_naming_the_limit(model):
-    full = sum(model.arch.layer_cache_bytes(model.config, i) for i in range(model.n_layers))
+    full = sum(model.family.layer_cache_bytes(model.config, i) for i in range(model.n_layers))
     core = EngineCore(model.config, model.tokenizer)
     core.cache_budget = CacheBudget(model, [range(model.n_layers)], [full // 2])
     core.add_request("short", [5, 6, 7], greedy(20))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_models import run_one
 
-from kernels.weights import BlockWeight, ConcatWeight, DenseWeight
+from kernels.weights import BlockWeight, ConcatWeight, DenseWeight, Loading
 from stages.errors import ModelFormatError
 from stages.gguf_file import GGUFFile
 from stages.loader import open_model
@@ -102,7 +102,7 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, popu
     """Large tensors are read past the page cache (O_DIRECT, straight into pages faulted in ahead,
     by madvise or, where it is refused, by writing them): with the size limit lowered, every tensor
     and an expert slice come back as the file holds them, whatever their offsets, whether read at
-    once or left running until finish_reads; a file cut short is refused either way."""
+    once or left running until their Loading waits; a file cut short is refused either way."""
     import stages.direct_io as gf
     try:
         os.close(os.open(f32_file, os.O_RDONLY | os.O_DIRECT))
@@ -117,18 +117,18 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, popu
         monkeypatch.setattr(gf, "MADV_POPULATE_WRITE", -1)     # an advice every kernel refuses
     g = GGUFFile(f32_file)
     file_bytes = np.memmap(f32_file, dtype=np.uint8, mode="r")
-    pending, later = [], []
+    loading, later = Loading(), []
     for name, t in g.tensors.items():
         expected = file_bytes[t.data_offset:t.data_offset + t.n_bytes]
-        raw, _ = g.raw_tensor(name)
+        raw, _ = g.raw(name)
         assert np.array_equal(raw.numpy().reshape(-1), expected), name
-        later.append((g.raw_tensor(name, pending=pending)[0], expected, name))
-    assert gf.finish_reads(pending) and not pending
+        later.append((g.raw(name, loading=loading)[0], expected, name))
+    assert loading.wait()
     for raw, expected, name in later:
         assert np.array_equal(raw.numpy().reshape(-1), expected), name
     name = "blk.0.ffn_up_exps.weight"
-    whole, _ = g.raw_tensor(name)
-    assert torch.equal(g.raw_tensor(name, range(3, 6))[0], whole[3:6])
+    whole, _ = g.raw(name)
+    assert torch.equal(g.raw(name, range(3, 6))[0], whole[3:6])
     assert len(direct) > 2 * len(g.tensors)
     cut = tmp_path / "cut.gguf"           # cut short after it was opened (opening checks the sizes)
     cut.write_bytes(open(f32_file, "rb").read())
@@ -136,9 +136,9 @@ def test_direct_reads_give_the_files_bytes(f32_file, tmp_path, monkeypatch, popu
     os.truncate(cut, os.path.getsize(cut) - 100)
     last = max(g.tensors, key=lambda n: g.tensors[n].data_offset)
     with pytest.raises(ModelFormatError, match="truncated"):
-        g.raw_tensor(last)
-    g.raw_tensor(last, pending=pending)
-    assert not gf.finish_reads(pending)
+        g.raw(last)
+    g.raw(last, loading=loading)
+    assert not loading.wait()
 
 
 def test_weights_joined_while_their_reads_run_get_the_files_bytes(f32_file, monkeypatch):

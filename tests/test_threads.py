@@ -57,7 +57,7 @@ def full_width(model: str, path) -> str:
         cfg = dataclasses.replace(cfg, n_expert=16, full_attention_interval=2)      # DeltaNet, then attention
     else:
         cfg = dataclasses.replace(cfg, n_expert=4, n_expert_used=2)
-    plan = ms.tensor_plan(spec.arch, cfg, mix=spec.default_mix)
+    plan = ms.tensor_plan(spec.family, cfg, mix=spec.default_mix)
     ms.write_synthetic(str(path), model, cfg, plan, ms.synthetic_tokenizer(spec.tokenizer_family),
                        ms.FILE_TYPES[spec.default_mix], progress=False)
     return str(path)

@@ -1,7 +1,7 @@
 """Random GGUFs with the shapes of released models, to measure raymoe and llama.cpp at real size
 without downloading weights.
 
-    python -m tools.make_synthetic --model qwen3.5-35b-a3b|gpt-oss-20b --out PATH
+    python -m tools.make_synthetic --model qwen3.5-35b-a3b|qwen3-next-80b-a3b|gpt-oss-20b --out PATH
         [--layers N] [--vocab N] [--type T | --mix q3_k_m|q4_k_m|mxfp4] [--seed S] [--dry-run]
 
 Quantised blocks are random bytes whose scale fields are set so that every matrix's elements have a
@@ -20,23 +20,22 @@ import tempfile
 import time
 import zlib
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Callable, Iterator
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, LlamaFileType as FT
 
-from stages import gptoss, qwen35moe
-from stages.family import global_tensor_shapes
+from stages import gptoss, qwen35moe, qwen3next
+from stages.family import Family, global_tensor_shapes
 
 CHUNK_BYTES = 32 << 20      # bytes generated and written at a time
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    arch: ModuleType
-    make_config: Callable            # (n_layers, vocab) -> the arch's config
+    family: Family
+    make_config: Callable            # (n_layers, vocab) -> the family's config
     n_layers: int
     vocab: int                       # the released embedding rows (the tokenizer's size, padded)
     tokenizer_family: str            # tools.tiny_tokenizer family
@@ -51,6 +50,13 @@ def qwen35_35b_a3b(n_layers: int, vocab: int) -> qwen35moe.Qwen35MoeConfig:
         v_head_dim=128, full_attention_interval=4, context_length=262144)
 
 
+def qwen3_next_80b_a3b(n_layers: int, vocab: int) -> qwen3next.Qwen3NextConfig:
+    return qwen3next.Qwen3NextConfig(
+        n_layers=n_layers, hidden=2048, vocab=vocab, n_head=16, n_kv_head=2, head_dim=256, rope_dim=64,
+        rope_base=1e7, rms_eps=1e-6, n_expert=512, n_expert_used=10, expert_ff=512, shared_ff=512, conv_kernel=4,
+        k_head_dim=128, n_k_heads=16, n_v_heads=32, v_head_dim=128, full_attention_interval=4, context_length=262144)
+
+
 def gpt_oss_20b(n_layers: int, vocab: int) -> gptoss.GptOssConfig:
     return gptoss.GptOssConfig(
         n_layers=n_layers, hidden=2880, vocab=vocab, n_head=64, n_kv_head=8, head_dim=64, rms_eps=1e-5,
@@ -60,8 +66,9 @@ def gpt_oss_20b(n_layers: int, vocab: int) -> gptoss.GptOssConfig:
 
 
 MODELS = {
-    "qwen3.5-35b-a3b": ModelSpec(qwen35moe, qwen35_35b_a3b, 40, 248320, "qwen35moe", "q3_k_m"),
-    "gpt-oss-20b": ModelSpec(gptoss, gpt_oss_20b, 24, 201088, "gptoss", "mxfp4"),
+    "qwen3.5-35b-a3b": ModelSpec(qwen35moe.FAMILY, qwen35_35b_a3b, 40, 248320, "qwen35moe", "q3_k_m"),
+    "qwen3-next-80b-a3b": ModelSpec(qwen3next.FAMILY, qwen3_next_80b_a3b, 48, 151936, "qwen3next", "q3_k_m"),
+    "gpt-oss-20b": ModelSpec(gptoss.FAMILY, gpt_oss_20b, 24, 201088, "gptoss", "mxfp4"),
 }
 
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
@@ -130,11 +137,11 @@ def mix_type(mix: str, name: str, layer: int, n_layers: int, attn_v_index: dict)
     return Q.Q4_K
 
 
-def tensor_plan(arch: ModuleType, cfg, qtype: Q | None = None, mix: str | None = None) -> list[PlannedTensor]:
+def tensor_plan(family: Family, cfg, qtype: Q | None = None, mix: str | None = None) -> list[PlannedTensor]:
     """Every tensor in file order (embedding, layers, head) with its type: `qtype` for every weight
     matrix, else the types of `mix`."""
     glob = global_tensor_shapes(cfg)
-    layers = [(i, name, shape) for i in range(cfg.n_layers) for name, shape in arch.layer_tensor_shapes(cfg, i).items()]
+    layers = [(i, name, shape) for i in range(cfg.n_layers) for name, shape in family.layer_tensor_shapes(cfg, i).items()]
     named = [(-1, "token_embd.weight", glob["token_embd.weight"]), *layers,
              (-1, "output_norm.weight", glob["output_norm.weight"]), (-1, "output.weight", glob["output.weight"])]
     attn_v_index = {name: k for k, name in enumerate(n for _, n, _ in layers if n.endswith("attn_v.weight"))}
@@ -290,18 +297,18 @@ def _padded(n: int) -> int:
     return gguf.GGUFWriter.ggml_pad(n, gguf.GGUF_DEFAULT_ALIGNMENT)
 
 
-def _start_file(path: str, model: str, arch: ModuleType, cfg, plan, tokenizer, file_type: int, seed: int):
+def _start_file(path: str, model: str, family: Family, cfg, plan, tokenizer, file_type: int, seed: int):
     """A GGUFWriter on `path` with header, metadata and tensor table written; the data comes next."""
     from deploy.convert import _add_metadata
     from stages.tokenizer import write_tokenizer_to_gguf
 
-    writer = gguf.GGUFWriter(path, arch.ARCH)
+    writer = gguf.GGUFWriter(path, family.arch)
     writer.add_name(f"{model} (synthetic)")
     writer.add_description(f"random weights from tools.make_synthetic, seed {seed}")
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_metadata(writer, arch.ARCH, arch.gguf_metadata(cfg))
-    write_tokenizer_to_gguf(writer, tokenizer, arch.TOKENIZER_PRE, vocab_size=cfg.vocab)
+    _add_metadata(writer, family.arch, family.gguf_metadata(cfg))
+    write_tokenizer_to_gguf(writer, tokenizer, family.tokenizer_pre, vocab_size=cfg.vocab)
     for t in plan:
         # with raw_dtype given, a non-uint8 dtype makes the writer take `shape` as element counts
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
@@ -315,7 +322,7 @@ def planned_size(model: str, cfg, plan, tokenizer, file_type: int, seed: int = 0
     """The file's exact size in bytes: its header is written to a scratch file, the data only counted."""
     spec = MODELS[model]
     with tempfile.TemporaryDirectory() as scratch:
-        writer = _start_file(os.path.join(scratch, "header.gguf"), model, spec.arch, cfg, plan, tokenizer,
+        writer = _start_file(os.path.join(scratch, "header.gguf"), model, spec.family, cfg, plan, tokenizer,
                              file_type, seed)
         header = writer.fout[0].tell()
         writer.close()
@@ -331,7 +338,7 @@ def write_synthetic(out: str, model: str, cfg, plan, tokenizer, file_type: int, 
     tmp = out + ".partial"
     writer = None
     try:
-        writer = _start_file(tmp, model, spec.arch, cfg, plan, tokenizer, file_type, seed)
+        writer = _start_file(tmp, model, spec.family, cfg, plan, tokenizer, file_type, seed)
         fout = writer.fout[0]
         bar = tqdm(total=sum(t.n_bytes for t in plan), unit="B", unit_scale=True, file=sys.stderr,
                    desc=os.path.basename(out), disable=not progress or None)
@@ -384,7 +391,7 @@ def main(argv=None) -> int:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--type", choices=sorted(TYPES), help="one type for every weight matrix")
     kind.add_argument("--mix", choices=MIXES,
-                      help="llama.cpp-style mix (default: q3_k_m for qwen3.5, mxfp4 for gpt-oss)")
+                      help="llama.cpp-style mix (default: q3_k_m for the Qwens, mxfp4 for gpt-oss)")
     p.add_argument("--seed", type=_bounded_int(0), default=0)
     p.add_argument("--dry-run", action="store_true", help="print the file's size and types; write nothing")
     args = p.parse_args(argv)
@@ -407,7 +414,7 @@ def main(argv=None) -> int:
     cfg = spec.make_config(n_layers, vocab)
     qtype = TYPES[args.type] if args.type else None
     mix = None if args.type else args.mix or spec.default_mix
-    plan = tensor_plan(spec.arch, cfg, qtype, mix)
+    plan = tensor_plan(spec.family, cfg, qtype, mix)
     file_type = FILE_TYPES[qtype if qtype is not None else mix]
     label = f"{args.model} {args.type or mix}, {n_layers} layers, vocab {vocab}, {len(plan)} tensors"
     if args.dry_run:

@@ -22,6 +22,12 @@ QWEN35_HF_SPLIT = (
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen2/Qwen3/Qwen3-Next's tokenizer.json spelling of llama.cpp's qwen2 regex (stages.tokenizer.QWEN2_SPLIT).
+QWEN2_HF_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 VOCAB_SIZE = 800  # byte alphabet (256) + merges; the special tokens come after
 
 CORPUS = (
@@ -73,15 +79,16 @@ CORPUS = (
 
 SPECIAL_TOKENS = {
     "qwen35moe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "qwen3next": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "gptoss": [
         "<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>",
         "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>",
     ],
 }
 # Qwen marks the thinking tags as added but not special: they are matched whole, yet kept on decode.
-PLAIN_ADDED_TOKENS = {"qwen35moe": ["<think>", "</think>"], "gptoss": []}
+PLAIN_ADDED_TOKENS = {"qwen35moe": ["<think>", "</think>"], "qwen3next": ["<think>", "</think>"], "gptoss": []}
 
-SPLITS = {"qwen35moe": QWEN35_HF_SPLIT, "gptoss": GPT4O_SPLIT}
+SPLITS = {"qwen35moe": QWEN35_HF_SPLIT, "qwen3next": QWEN2_HF_SPLIT, "gptoss": GPT4O_SPLIT}
 
 # ChatML as in Qwen3.5's template, simplified: no tools; earlier assistant turns keep only their answer;
 # the generation prompt opens a thinking block unless enable_thinking is false.
@@ -129,6 +136,8 @@ HARMONY_CHAT_TEMPLATE = r"""{%- for message in messages %}
 
 CONFIGS = {
     "qwen35moe": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                  "chat_template": QWEN_CHAT_TEMPLATE},
+    "qwen3next": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                   "chat_template": QWEN_CHAT_TEMPLATE},
     "gptoss": {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
                "chat_template": HARMONY_CHAT_TEMPLATE},
