@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 
@@ -60,13 +61,14 @@ def out_of_memory(e: ray.exceptions.RayError) -> bool:
 
 @ray.remote
 class Coordinator:
-    def __init__(self, spec: PipelineSpec):
-        """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory)."""
+    def __init__(self, spec: PipelineSpec, first_seq_id: int = 0):
+        """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory).
+        first_seq_id: where sequence ids start (a coordinator that replaces a dead one: past every id it gave)."""
         args = spec.args
         model = open_model(args.model, args.max_model_len)
         args.configure_chat(model.tokenizer)
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
-                               args.prefill_chunk, args.max_running)
+                               args.prefill_chunk, args.max_running, first_seq_id)
         if spec.cache_budget is not None:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
@@ -113,6 +115,27 @@ class Coordinator:
         RequestError with a one-line message. With max_queued set, a request that would wait for a cache
         slot while max_queued others already do raises QueueFullError. With collect=False the
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
+        return self._add(request_id, request, defaults, collect).seq_id
+
+    async def readmit(self, sequences: list[tuple]):
+        """After a coordinator died (cluster.engine.ClusterEngine): its unfinished sequences, each as
+        (seq_id, request_id, request, defaults, collect, delivered), queued again under their ids. `delivered`
+        ({"token_ids", "logprobs", "text_chars"}, or None) is what their reader already got: those tokens are
+        replayed as if sampled, so the sequence recomputes its caches from prompt and tokens (as after a stage
+        restart) and goes on from there; its stream starts after them. Sampling draws depend only on the seed
+        and the token's position (stages/sampling.py): a seeded or greedy sequence continues as it would have."""
+        for seq_id, request_id, request, defaults, collect, delivered in sequences:
+            seq = self._add(request_id, request, defaults, collect, seq_id)
+            if not delivered:
+                continue
+            tokens = delivered["token_ids"]
+            for token, entry in zip(tokens, delivered["logprobs"] or [None] * len(tokens)):
+                seq.append_token(token, entry)
+            self.outputs.text_sent[seq_id] = delivered["text_chars"]
+            if seq.finish_reason is not None:       # it ended with those tokens, but its reader had not heard so
+                self._finish(seq, None)
+
+    def _add(self, request_id, request: dict, defaults: dict | None, collect: bool, seq_id: int | None = None):
         if self.error:
             raise RaymoeError(self.error)
         config = self.core.config
@@ -121,10 +144,10 @@ class Coordinator:
                                  config.vocab)
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
-        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params)
+        seq = self.core.add_request(request_id, prompt_ids(request, self.core.tokenizer), params, seq_id)
         if self.scripts:
             seq.script = self.script_for(seq.prompt_ids)
-        if self.max_queued is not None and self.queued() > self.max_queued:
+        if seq_id is None and self.max_queued is not None and self.queued() > self.max_queued:
             self.core.finish(seq, "abort")
             raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
                                  f"cache slot; retry later")
@@ -132,7 +155,7 @@ class Coordinator:
         self.stats["started"][seq.seq_id] = time.perf_counter()
         self._ensure_loop()
         self.wake.set()
-        return seq.seq_id
+        return seq
 
     async def submit_many(self, requests: list, defaults: dict | None = None) -> list:
         """[(id, request)] -> [seq_id or {"error": message}] in the same order."""
@@ -216,7 +239,7 @@ class Coordinator:
                               f"(stall timeout {self.stall_timeout:g} s)")
 
     def pipeline_stats(self) -> dict:
-        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
+        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts, "pid": os.getpid(),
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
                 "prefill_tokens": self.core.prefill_tokens,
                 "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}

@@ -177,8 +177,10 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     prefix = stats["prefix_cache"]
     prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
                    f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    restarts = f"; the coordinator died and was replaced {stats['coordinator_restarts']} times" * bool(
+        stats["coordinator_restarts"])
     print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
-          f"transport={args.transport}{prefix_text}",
+          f"transport={args.transport}{prefix_text}{restarts}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

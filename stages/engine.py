@@ -45,7 +45,7 @@ def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -
 
 class EngineCore:
     def __init__(self, config, tokenizer, n_groups: int = 1, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int = 64):
+                 max_running: int = 64, first_seq_id: int = 0):
         self.config, self.tokenizer = config, tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
         self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
@@ -55,17 +55,19 @@ class EngineCore:
         self.prefill_tokens = 0          # prompt tokens run through the model (a prefix-cache hit skips its own)
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count(first_seq_id)     # a restarted coordinator's go on from its predecessor's
 
     def use_prefix_cache(self, model, budget: int, mode: str):
         """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
         self.prefix = PrefixCache.for_model(model, budget, self.groups[0].grid, mode)
 
-    def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams,
+                    seq_id: int | None = None) -> Sequence:
+        """seq_id: a sequence re-admitted under the id it had (a restarted coordinator); new ones count on."""
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
         params.validate(vocab=self.config.vocab)      # token ids of logit_bias and stop_token_ids
-        seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
-                       self.config.context_length)
+        seq = Sequence(next(self._ids) if seq_id is None else seq_id, request_id, prompt_ids, params,
+                       self.tokenizer, self.eos_ids, self.config.context_length)
         if self.cache_budget is not None:
             self.cache_budget.check(seq.max_length)
         self.sequences[seq.seq_id] = seq
