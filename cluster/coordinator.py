@@ -61,14 +61,13 @@ def out_of_memory(e: ray.exceptions.RayError) -> bool:
 
 @ray.remote
 class Coordinator:
-    def __init__(self, spec: PipelineSpec, first_seq_id: int = 0):
-        """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory).
-        first_seq_id: where sequence ids start (a coordinator that replaces a dead one: past every id it gave)."""
+    def __init__(self, spec: PipelineSpec):
+        """spec.args: resolved settings, with max_running as the memory plan allows (cluster.engine.plan_memory)."""
         args = spec.args
         model = open_model(args.model, args.max_model_len)
         args.configure_chat(model.tokenizer)
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
-                               args.prefill_chunk, args.max_running, first_seq_id)
+                               args.prefill_chunk, args.max_running)
         if spec.cache_budget is not None:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
@@ -117,13 +116,15 @@ class Coordinator:
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
         return self._add(request_id, request, defaults, collect).seq_id
 
-    async def readmit(self, sequences: list[tuple]):
+    async def readmit(self, sequences: list[tuple], next_seq_id: int):
         """After a coordinator died (cluster.engine.ClusterEngine): its unfinished sequences, each as
-        (seq_id, request_id, request, defaults, collect, delivered), queued again under their ids. `delivered`
+        (seq_id, request_id, request, defaults, collect, delivered), queued again under their ids; new ones
+        get ids from next_seq_id on (past every id the dead one gave). `delivered`
         ({"token_ids", "logprobs", "text_chars"}, or None) is what their reader already got: those tokens are
         replayed as if sampled, so the sequence recomputes its caches from prompt and tokens (as after a stage
         restart) and goes on from there; its stream starts after them. Sampling draws depend only on the seed
         and the token's position (stages/sampling.py): a seeded or greedy sequence continues as it would have."""
+        self.core.continue_ids(next_seq_id)
         for seq_id, request_id, request, defaults, collect, delivered in sequences:
             seq = self._add(request_id, request, defaults, collect, seq_id)
             if not delivered:

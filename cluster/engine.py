@@ -216,7 +216,7 @@ class ClusterEngine:
 
     # ---- the coordinator's death -------------------------------------------------------------------
     def _replacement(self, dead):
-        """Kill what is left of `dead` and start a coordinator in its place (ids past its ones, no test fault)."""
+        """Kill what is left of `dead` and start a coordinator in its place (without the test fault)."""
         if self.failed:
             raise RaymoeError(self.failed)
         now = time.monotonic()
@@ -231,13 +231,14 @@ class ClusterEngine:
         # its own actor names: the dead pipeline's actors may not be gone yet
         spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-{self.restarts}",
                                    args=dataclasses.replace(self.spec.args, fault_injection=None))
-        return Coordinator.options(num_cpus=0).remote(spec, self.next_seq_id)
+        return Coordinator.options(num_cpus=0).remote(spec)
 
     def _take_over(self, coordinator):
         """Make `coordinator` the one in use and hand it the open sequences as they stand now (a stream
         reading the dead one from here on drops what it reads: the new one repeats it)."""
         self.coordinator = coordinator
-        return coordinator.readmit.remote([s.readmission(seq_id) for seq_id, s in self.open.items()])
+        return coordinator.readmit.remote([s.readmission(seq_id) for seq_id, s in self.open.items()],
+                                          self.next_seq_id)
 
     def _fail(self, message: str):
         self.failed = message
@@ -287,11 +288,15 @@ class ClusterEngine:
         while True:
             coordinator = self.coordinator
             try:
-                return await getattr(coordinator, method).remote(*args)
+                result = await getattr(coordinator, method).remote(*args)
             except ray.exceptions.RayTaskError as e:
                 raise unwrap(e) from None
             except ray.exceptions.RayActorError:
                 await self._recover_async(coordinator)
+                continue
+            if self.coordinator is coordinator:
+                return result
+            # the dead one answered before its replacement took over without this (a sequence it queued): ask again
 
     def _opened(self, seq_id, request_id, request: dict, defaults: dict | None, collect: bool):
         if isinstance(seq_id, int):

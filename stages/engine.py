@@ -45,7 +45,7 @@ def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -
 
 class EngineCore:
     def __init__(self, config, tokenizer, n_groups: int = 1, max_batch_tokens: int = 512, prefill_chunk: int = 256,
-                 max_running: int = 64, first_seq_id: int = 0):
+                 max_running: int = 64):
         self.config, self.tokenizer = config, tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set()
         self.groups = [Scheduler(max_batch_tokens, prefill_chunk) for _ in range(n_groups)]
@@ -55,7 +55,7 @@ class EngineCore:
         self.prefill_tokens = 0          # prompt tokens run through the model (a prefix-cache hit skips its own)
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
-        self._ids = itertools.count(first_seq_id)     # a restarted coordinator's go on from its predecessor's
+        self._ids = itertools.count()
 
     def use_prefix_cache(self, model, budget: int, mode: str):
         """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
@@ -73,6 +73,10 @@ class EngineCore:
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def continue_ids(self, first: int):
+        """New sequences get ids from `first` on (a coordinator that took over from a dead one: past its ids)."""
+        self._ids = itertools.count(first)
 
     def running(self) -> int:
         return sum(len(g.running) for g in self.groups)
