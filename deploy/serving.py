@@ -38,8 +38,9 @@ class ServeArgs(EngineArgs):
     max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
     max_json_depth: int = MAX_JSON_DEPTH
     max_messages: int = MAX_MESSAGES          # messages per chat request
+    replicas: int = 1                         # ingress replicas, each with a pipeline of its own (docs/faults.md)
 
-    @field_validator("max_body_bytes", "max_json_depth", "max_messages")
+    @field_validator("max_body_bytes", "max_json_depth", "max_messages", "replicas")
     @classmethod
     def _positive(cls, v, info):
         if v < 1:
