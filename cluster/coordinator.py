@@ -402,13 +402,27 @@ class Coordinator:
         while self.recent_restarts[0] < now - RESTART_WINDOW:
             self.recent_restarts.popleft()
         if len(self.recent_restarts) > MAX_RESTARTS:
-            self.error = (f"the pipeline failed {len(self.recent_restarts)} times within {RESTART_WINDOW / 60:g} "
+            self._give_up(f"the pipeline failed {len(self.recent_restarts)} times within {RESTART_WINDOW / 60:g} "
                           f"minutes; giving up")
-            for seq in list(self.core.sequences.values()):
-                seq.error = self.error
-                self._finish(seq, "error")
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.pipeline.restart)
+        try:
+            await loop.run_in_executor(None, self.pipeline.restart)
+        except RaymoeError as e:        # its actors cannot be placed again (a node was lost, and no other has room)
+            self._give_up(str(e))
+            return
         self.core.forget_caches()
         self.progress_at = time.monotonic()
+
+    def _give_up(self, error: str):
+        """The engine cannot go on: every request is refused with `error`, and so is every server stream in flight.
+        A batch job's sequences end without a result: wait_finished raises the error, the job stops with it, and
+        --resume generates what it had not written."""
+        self.error = error
+        for seq in list(self.core.sequences.values()):
+            if seq.seq_id in self.outputs.uncollected:
+                seq.error = error
+                self._finish(seq, "error")
+            else:
+                self.core.finish(seq, "error")
+                self.to_release.append(seq.seq_id)

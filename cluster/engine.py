@@ -245,15 +245,17 @@ class ClusterEngine:
         raise RaymoeError(message)
 
     def _recover(self, dead):
-        """A call found the coordinator `dead`: replace it (sync callers: a batch job)."""
-        if self.coordinator is not dead:
-            return          # replaced already
-        coordinator = self._replacement(dead)
-        try:
-            ray.get(coordinator.start.remote())
-            ray.get(self._take_over(coordinator))
-        except ray.exceptions.RayError as e:
-            self._fail(f"the coordinator actor died and could not be replaced: {unwrap(e)}")
+        """A call found the coordinator `dead`: replace it (sync callers: a batch job). A replacement that dies
+        as it starts (Ray placed it on a node being lost) is replaced in turn, within the restart budget; one
+        whose pipeline cannot start (no room for it) fails the engine with its one line."""
+        while self.coordinator is dead:
+            coordinator = self._replacement(dead)
+            try:
+                ray.get(coordinator.start.remote())
+                ray.get(self._take_over(coordinator))
+            except ray.exceptions.RayError as e:
+                self._check_start(e)
+                self.coordinator = dead = coordinator
 
     async def _recover_async(self, dead):
         """_recover for a server's event loop: the calls that find it dead at once share one replacement."""
@@ -264,14 +266,22 @@ class ClusterEngine:
 
     async def _replace_async(self, dead):
         try:
-            coordinator = self._replacement(dead)
-            try:
-                await coordinator.start.remote()
-                await self._take_over(coordinator)
-            except ray.exceptions.RayError as e:
-                self._fail(f"the coordinator actor died and could not be replaced: {unwrap(e)}")
+            while self.coordinator is dead:
+                coordinator = self._replacement(dead)
+                try:
+                    await coordinator.start.remote()
+                    await self._take_over(coordinator)
+                except ray.exceptions.RayError as e:
+                    self._check_start(e)
+                    self.coordinator = dead = coordinator
         finally:
             self._recovering = None
+
+    def _check_start(self, e: ray.exceptions.RayError):
+        """A replacement failed: its own error (RaymoeError: the pipeline has no room) fails the engine."""
+        cause = unwrap(e)
+        if isinstance(cause, RaymoeError):
+            self._fail(f"the coordinator actor died and its replacement could not start: {cause}")
 
     def _call(self, method: str, *args):
         """ray.get of a coordinator method, made again on its replacement if the coordinator died."""
