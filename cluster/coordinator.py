@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 
@@ -240,7 +239,7 @@ class Coordinator:
                               f"(stall timeout {self.stall_timeout:g} s)")
 
     def pipeline_stats(self) -> dict:
-        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts, "pid": os.getpid(),
+        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
                 "prefill_tokens": self.core.prefill_tokens,
                 "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}

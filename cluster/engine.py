@@ -306,7 +306,7 @@ class ClusterEngine:
                 continue
             if self.coordinator is coordinator:
                 return result
-            # the dead one answered before its replacement took over without this (a sequence it queued): ask again
+            # answered by a coordinator replaced meanwhile, whose hand-over lacked this (a sequence it queued): again
 
     def _opened(self, seq_id, request_id, request: dict, defaults: dict | None, collect: bool):
         if isinstance(seq_id, int):

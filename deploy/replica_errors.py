@@ -49,9 +49,9 @@ class ReplicaErrors:
             return
         if not started:
             body = error_body()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    (b"retry-after", str(RETRY_AFTER_S).encode())]})
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"retry-after", str(RETRY_AFTER_S).encode())]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": body})
         elif events:
             await send({"type": "http.response.body", "body": b"data: " + error_body() + b"\n\ndata: [DONE]\n\n"})
