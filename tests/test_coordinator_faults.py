@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from serve_util import descendants, get_json
+from serve_util import ServerProcess, cmdline, descendants, get_json
 
 from deploy import generate
 
@@ -43,17 +43,9 @@ def batch_lines(n: int = 200) -> list[dict]:
     return out
 
 
-def coordinator_pids() -> list[int]:
-    """The coordinator actors' processes of this session's Ray cluster (a child of this process)."""
-    out = []
-    for pid in descendants(os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::Coordinator"):
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
+def coordinator_pids(root: int) -> list[int]:
+    """The coordinator actors' processes below `root` (a Ray cluster's starter)."""
+    return [pid for pid in descendants(root) if cmdline(pid).startswith(b"ray::Coordinator")]
 
 
 def lines_in(path) -> int:
@@ -82,7 +74,8 @@ def test_three_coordinator_kills_during_a_batch_job_change_no_byte(tmp_path, cap
             while lines_in(out) < at and not stop.is_set():
                 time.sleep(0.02)
             while not stop.is_set():
-                pids = [p for p in coordinator_pids() if p not in [k[0] for k in kills]]
+                # this session's Ray cluster is a child of this process
+                pids = [p for p in coordinator_pids(os.getpid()) if p not in [k[0] for k in kills]]
                 if pids:
                     assert len(pids) == 1, pids
                     kills.append((pids[0], lines_in(out)))
@@ -167,7 +160,6 @@ def test_a_coordinator_killed_under_streams_continues_them_without_a_gap(tmp_pat
     import grpc
 
     from protos import raymoe_pb2_grpc as pb_grpc
-    from serve_util import ServerProcess
 
     server = ServerProcess(tmp_path / "serve.log", "--max-running", "16")
     try:
@@ -186,7 +178,7 @@ def test_a_coordinator_killed_under_streams_continues_them_without_a_gap(tmp_pat
                 deadline = time.monotonic() + 120
                 while min(len(s["token_ids"]) for s in streamed) < 20 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
-                pids = [pid for pid in descendants(server.proc.pid) if cmdline(pid).startswith(b"ray::Coordinator")]
+                pids = coordinator_pids(server.proc.pid)
                 assert len(pids) == 1, pids
                 os.kill(pids[0], signal.SIGKILL)
                 killed, at_kill = time.monotonic(), [len(s["token_ids"]) for s in streamed]
@@ -207,11 +199,3 @@ def test_a_coordinator_killed_under_streams_continues_them_without_a_gap(tmp_pat
         assert "Traceback" not in server.tail(100000)
     finally:
         server.kill()
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from serve_util import ROOT, descendants
+from serve_util import ROOT, cmdline, descendants
 from test_ray_job import BIN, free_ports
 
 from deploy import generate
@@ -91,14 +91,6 @@ def two_nodes(tmp_path):
 def stage_processes(node: subprocess.Popen) -> int:
     """Stage actors running under this node's raylet (its `ray start --block` process tree)."""
     return sum(b"ray::StageActor" in cmdline(pid) for pid in descendants(node.pid))
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_pp2_spread_over_two_nodes_equals_one_node(two_nodes, tmp_path):

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from serve_util import ServerProcess, descendants, get_json
+from serve_util import ServerProcess, cmdline, descendants, get_json
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -18,14 +18,6 @@ GREEDY = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
 PROMPT = "The import statement"
 CLIENT_TIMEOUT_S = 150          # a request that hangs fails the test
 NEW_WITHIN_S = 10
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def socket_owners(pids) -> dict[str, int]:
