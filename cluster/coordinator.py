@@ -114,6 +114,29 @@ class Coordinator:
         RequestError with a one-line message. With max_queued set, a request that would wait for a cache
         slot while max_queued others already do raises QueueFullError. With collect=False the
         result only goes to stream() (a server), not to wait_finished() (a batch job)."""
+        return self._add(request_id, request, defaults, collect).seq_id
+
+    async def readmit(self, sequences: list[tuple], next_seq_id: int):
+        """After a coordinator died (cluster.engine.ClusterEngine): its unfinished sequences, each as
+        (seq_id, request_id, request, defaults, collect, delivered), queued again under their ids; new ones
+        get ids from next_seq_id on (past every id the dead one gave). `delivered`
+        ({"token_ids", "logprobs", "text_chars"}, or None) is what their reader already got: those tokens are
+        replayed as if sampled, so the sequence recomputes its caches from prompt and tokens (as after a stage
+        restart) and goes on from there; its stream starts after them. Sampling draws depend only on the seed
+        and the token's position (stages/sampling.py): a seeded or greedy sequence continues as it would have."""
+        self.core.continue_ids(next_seq_id)
+        for seq_id, request_id, request, defaults, collect, delivered in sequences:
+            seq = self._add(request_id, request, defaults, collect, seq_id)
+            if not delivered:
+                continue
+            tokens = delivered["token_ids"]
+            for token, entry in zip(tokens, delivered["logprobs"] or [None] * len(tokens)):
+                seq.append_token(token, entry)
+            self.outputs.text_sent[seq_id] = delivered["text_chars"]
+            if seq.finish_reason is not None:       # it ended with those tokens, but its reader had not heard so
+                self._finish(seq, None)
+
+    def _add(self, request_id, request: dict, defaults: dict | None, collect: bool, seq_id: int | None = None):
         if self.error:
             raise RaymoeError(self.error)
         config = self.core.config
@@ -124,10 +147,10 @@ class Coordinator:
         params.grammar = line_grammar(request, self.core.tokenizer, ids)
         if not self.in_flight and not self.core.has_work():
             self.progress_at = time.monotonic()         # idle until now: the stall clock starts here
-        seq = self.core.add_request(request_id, ids, params)
+        seq = self.core.add_request(request_id, ids, params, seq_id)
         if self.scripts:
             seq.script = self.script_for(seq.prompt_ids)
-        if self.max_queued is not None and self.queued() > self.max_queued:
+        if seq_id is None and self.max_queued is not None and self.queued() > self.max_queued:
             self.core.finish(seq, "abort")
             raise QueueFullError(f"the server is busy: {self.max_queued} requests are already waiting for a "
                                  f"cache slot; retry later")
@@ -135,7 +158,7 @@ class Coordinator:
         self.stats["started"][seq.seq_id] = time.perf_counter()
         self._ensure_loop()
         self.wake.set()
-        return seq.seq_id
+        return seq
 
     async def submit_many(self, requests: list, defaults: dict | None = None) -> list:
         """[(id, request)] -> [seq_id or {"error": message}] in the same order."""
@@ -381,13 +404,27 @@ class Coordinator:
         while self.recent_restarts[0] < now - RESTART_WINDOW:
             self.recent_restarts.popleft()
         if len(self.recent_restarts) > MAX_RESTARTS:
-            self.error = (f"the pipeline failed {len(self.recent_restarts)} times within {RESTART_WINDOW / 60:g} "
+            self._give_up(f"the pipeline failed {len(self.recent_restarts)} times within {RESTART_WINDOW / 60:g} "
                           f"minutes; giving up")
-            for seq in list(self.core.sequences.values()):
-                seq.error = self.error
-                self._finish(seq, "error")
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.pipeline.restart)
+        try:
+            await loop.run_in_executor(None, self.pipeline.restart)
+        except RaymoeError as e:        # its actors cannot be placed again (a node was lost, and no other has room)
+            self._give_up(str(e))
+            return
         self.core.forget_caches()
         self.progress_at = time.monotonic()
+
+    def _give_up(self, error: str):
+        """The engine cannot go on: every request is refused with `error`, and so is every server stream in flight.
+        A batch job's sequences end without a result: wait_finished raises the error, the job stops with it, and
+        --resume generates what it had not written."""
+        self.error = error
+        for seq in list(self.core.sequences.values()):
+            if seq.seq_id in self.outputs.uncollected:
+                seq.error = error
+                self._finish(seq, "error")
+            else:
+                self.core.finish(seq, "error")
+                self.to_release.append(seq.seq_id)

@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 import uuid
+from collections import deque
 
 import ray
 
@@ -20,7 +22,8 @@ from stages.loader import open_model
 from stages.memory import GiB, fit_running, prefix_shares, stage_need
 
 from . import watchdog
-from .coordinator import Coordinator, QueueFullError  # noqa: F401  (QueueFullError: part of this API)
+from .coordinator import MAX_RESTARTS, RESTART_WINDOW, Coordinator
+from .coordinator import QueueFullError  # noqa: F401  (part of this API)
 from .engine_args import EngineArgs
 from .pipeline import PipelineSpec
 
@@ -143,12 +146,11 @@ def unwrap(error: Exception) -> Exception:
     return cause if isinstance(cause, RaymoeError) else error
 
 
-COORDINATOR_DIED = ("the coordinator actor died, and with it the state of every request in flight; the job failed "
-                    "(the Ray logs say why)")
+COORDINATOR_DIED = "the coordinator actor died while its pipeline started (the Ray logs say why)"
 
 
 @contextlib.contextmanager
-def ray_errors(died: str = COORDINATOR_DIED):
+def ray_errors(died: str):
     """Errors of Ray calls as users should read them: a task's RaymoeError as itself (one line), an
     actor's death as `died`."""
     try:
@@ -171,77 +173,248 @@ def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineS
     return spec
 
 
+@dataclasses.dataclass
+class OpenSequence:
+    """A sequence submitted through a ClusterEngine and not finished yet: what a new coordinator needs to
+    take it over (Coordinator.readmit), kept where it outlives the coordinator (the batch job's driver, the
+    server's ingress replica)."""
+    request_id: object
+    request: dict
+    defaults: dict | None
+    collect: bool
+    token_ids: list[int] = dataclasses.field(default_factory=list)    # given to its reader so far (stream())
+    logprobs: list | None = None
+    text_chars: int = 0
+
+    def readmission(self, seq_id: int) -> tuple:
+        delivered = ({"token_ids": self.token_ids, "logprobs": self.logprobs, "text_chars": self.text_chars}
+                     if self.token_ids else None)
+        return seq_id, self.request_id, self.request, self.defaults, self.collect, delivered
+
+
 class ClusterEngine:
+    """A coordinator and its pipeline. Should the coordinator die (and with it, their owner, its stage and
+    expert actors), the next call that finds it dead starts another with a pipeline of its own and hands it
+    every open sequence: what is in flight continues (docs/faults.md). More than MAX_RESTARTS deaths within
+    RESTART_WINDOW seconds, or a replacement that cannot start, fail the engine with one line."""
+
     def __init__(self, args: EngineArgs):
         args = args.resolved()
         files = open_model(args.model, args.max_model_len)    # config and tokenizer only: fail fast on a bad model
         self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
         args.configure_chat(self.tokenizer)
-        spec = pipeline_spec(args, files, name=f"raymoe-{uuid.uuid4().hex[:8]}")
-        self.coordinator = Coordinator.options(num_cpus=0).remote(spec)
-        self._call(show_loading(self.coordinator.start.remote(), spec))
+        self.spec = pipeline_spec(args, files, name=f"raymoe-{uuid.uuid4().hex[:8]}")
+        self.open: dict[int, OpenSequence] = {}
+        self.next_seq_id = 0                    # past every sequence id a coordinator gave
+        self.restarts = 0                       # coordinators replaced
+        self.recent_restarts: deque[float] = deque()
+        self.failed: str | None = None          # why no coordinator can be had any more
+        self._recovering: asyncio.Future | None = None
+        self.coordinator = Coordinator.options(num_cpus=0).remote(self.spec)
+        with ray_errors(COORDINATOR_DIED):
+            ray.get(show_loading(self.coordinator.start.remote(), self.spec))
 
-    def _call(self, ref, timeout=None):
-        with ray_errors():
-            return ray.get(ref, timeout=timeout)
+    # ---- the coordinator's death -------------------------------------------------------------------
+    def _replacement(self, dead):
+        """Kill what is left of `dead` and start a coordinator in its place (without the test fault)."""
+        if self.failed:
+            raise RaymoeError(self.failed)
+        now = time.monotonic()
+        self.recent_restarts.append(now)
+        while self.recent_restarts[0] < now - RESTART_WINDOW:
+            self.recent_restarts.popleft()
+        if len(self.recent_restarts) > MAX_RESTARTS:
+            self._fail(f"the coordinator actor died {len(self.recent_restarts)} times within "
+                       f"{RESTART_WINDOW / 60:g} minutes; giving up (the Ray logs say why)")
+        self.restarts += 1
+        self._kill(dead)
+        # its own actor names: the dead pipeline's actors may not be gone yet
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-{self.restarts}",
+                                   args=dataclasses.replace(self.spec.args, fault_injection=None))
+        return Coordinator.options(num_cpus=0).remote(spec)
 
+    def _take_over(self, coordinator):
+        """Make `coordinator` the one in use and hand it the open sequences as they stand now (a stream
+        reading the dead one from here on drops what it reads: the new one repeats it)."""
+        self.coordinator = coordinator
+        return coordinator.readmit.remote([s.readmission(seq_id) for seq_id, s in self.open.items()],
+                                          self.next_seq_id)
+
+    def _fail(self, message: str):
+        self.failed = message
+        raise RaymoeError(message)
+
+    def _recover(self, dead):
+        """A call found the coordinator `dead`: replace it (sync callers: a batch job). A replacement that dies
+        as it starts (Ray placed it on a node being lost) is replaced in turn, within the restart budget; one
+        whose pipeline cannot start (no room for it) fails the engine with its one line."""
+        while self.coordinator is dead:
+            coordinator = self._replacement(dead)
+            try:
+                ray.get(coordinator.start.remote())
+                ray.get(self._take_over(coordinator))
+            except ray.exceptions.RayError as e:
+                self._check_start(e)
+                self.coordinator = dead = coordinator
+
+    async def _recover_async(self, dead):
+        """_recover for a server's event loop: the calls that find it dead at once share one replacement."""
+        if self.coordinator is dead and self._recovering is None:
+            self._recovering = asyncio.ensure_future(self._replace_async(dead))
+        if self._recovering is not None:
+            await asyncio.shield(self._recovering)
+
+    async def _replace_async(self, dead):
+        try:
+            while self.coordinator is dead:
+                coordinator = self._replacement(dead)
+                try:
+                    await coordinator.start.remote()
+                    await self._take_over(coordinator)
+                except ray.exceptions.RayError as e:
+                    self._check_start(e)
+                    self.coordinator = dead = coordinator
+        finally:
+            self._recovering = None
+
+    def _check_start(self, e: ray.exceptions.RayError):
+        """A replacement failed: its own error (RaymoeError: the pipeline has no room) fails the engine."""
+        cause = unwrap(e)
+        if isinstance(cause, RaymoeError):
+            self._fail(f"the coordinator actor died and its replacement could not start: {cause}")
+
+    def _call(self, method: str, *args):
+        """ray.get of a coordinator method, made again on its replacement if the coordinator died."""
+        while True:
+            coordinator = self.coordinator
+            try:
+                return ray.get(getattr(coordinator, method).remote(*args))
+            except ray.exceptions.RayTaskError as e:      # before RayActorError: a stage's death inside it is one
+                raise unwrap(e) from None
+            except ray.exceptions.RayActorError:
+                self._recover(coordinator)
+
+    async def _acall(self, method: str, *args):
+        while True:
+            coordinator = self.coordinator
+            try:
+                result = await getattr(coordinator, method).remote(*args)
+            except ray.exceptions.RayTaskError as e:
+                raise unwrap(e) from None
+            except ray.exceptions.RayActorError:
+                await self._recover_async(coordinator)
+                continue
+            if self.coordinator is coordinator:
+                return result
+            # answered by a coordinator replaced meanwhile, whose hand-over lacked this (a sequence it queued): again
+
+    def _opened(self, seq_id, request_id, request: dict, defaults: dict | None, collect: bool):
+        if isinstance(seq_id, int):
+            self.open[seq_id] = OpenSequence(request_id, request, defaults, collect)
+            self.next_seq_id = max(self.next_seq_id, seq_id + 1)
+
+    # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request; returns its sequence id. A bad request raises RequestError."""
-        return self._call(self.coordinator.submit.remote(request_id, request, defaults))
+        seq_id = self._call("submit", request_id, request, defaults)
+        self._opened(seq_id, request_id, request, defaults, True)
+        return seq_id
 
     def submit_many(self, requests: list, defaults: dict | None = None) -> list:
-        return self._call(self.coordinator.submit_many.remote(requests, defaults))
+        outcomes = self._call("submit_many", requests, defaults)
+        for (request_id, request), seq_id in zip(requests, outcomes):
+            self._opened(seq_id, request_id, request, defaults, True)
+        return outcomes
 
     def wait_finished(self, timeout: float = 1.0) -> list[tuple[int, dict]]:
-        return self._call(self.coordinator.wait_finished.remote(timeout))
+        finished = self._call("wait_finished", timeout)
+        for seq_id, _ in finished:
+            self.open.pop(seq_id, None)
+        return finished
 
     async def stream(self, seq_id: int):
-        """Async iterator of updates; the last carries "finished" (the full result)."""
-        async for ref in self.coordinator.stream.remote(seq_id):
-            yield await ref
+        """Async iterator of updates; the last carries "finished" (the full result). Should the coordinator
+        die, the updates go on from its replacement, which continues from the tokens given here."""
+        finished = False
+        try:
+            while not finished:
+                coordinator = self.coordinator
+                try:
+                    async for ref in coordinator.stream.remote(seq_id):
+                        update = await ref
+                        if self.coordinator is not coordinator:
+                            break     # replaced meanwhile: the new one goes on from what was given before
+                        self._delivered(seq_id, update)
+                        finished = "finished" in update
+                        yield update
+                    else:
+                        return
+                except ray.exceptions.RayTaskError as e:
+                    raise unwrap(e) from None
+                except ray.exceptions.RayActorError:
+                    await self._recover_async(coordinator)
+                if self._recovering is not None:      # the new coordinator has this sequence once it is done
+                    await asyncio.shield(self._recovering)
+        finally:
+            if not finished:        # the reader went away: the coordinator drops the sequence too
+                self.open.pop(seq_id, None)
+
+    def _delivered(self, seq_id: int, update: dict):
+        s = self.open.get(seq_id)
+        if s is None:
+            return
+        if "finished" in update:
+            del self.open[seq_id]
+            return
+        s.token_ids.extend(update["token_ids"])
+        if update["logprobs"] is not None:
+            s.logprobs = (s.logprobs or []) + update["logprobs"]
+        s.text_chars += len(update["text_delta"])
 
     def cancel(self, seq_id: int):
+        self.open.pop(seq_id, None)
         self.coordinator.cancel.remote(seq_id)
 
     def stats(self) -> dict:
-        return self._call(self.coordinator.pipeline_stats.remote())
+        return {**self._call("pipeline_stats"), "coordinator_restarts": self.restarts}
 
     # ---- async API for servers (never blocks the caller's event loop) -------------------------
-    async def _acall(self, ref):
-        with ray_errors():
-            return await ref
-
     async def submit_async(self, request_id, request: dict, defaults: dict | None = None) -> int:
         """Queue a request whose result is only read through stream(); raises RequestError for a bad
         request and QueueFullError when the bounded queue (max_queued) is full."""
-        return await self._acall(self.coordinator.submit.remote(request_id, request, defaults, False))
+        seq_id = await self._acall("submit", request_id, request, defaults, False)
+        self._opened(seq_id, request_id, request, defaults, False)
+        return seq_id
 
     async def check_health_async(self):
         """Raise RaymoeError when the engine cannot make progress (see Coordinator.check_health)."""
-        await self._acall(self.coordinator.check_health.remote())
+        await self._acall("check_health")
 
     async def load_async(self) -> dict:
         """{"running", "waiting", "queued", "slots", "max_queued", ...}: see Coordinator.load."""
-        return await self._acall(self.coordinator.load.remote())
+        return await self._acall("load")
 
     def shutdown(self, timeout: float = 60):
         """Stop the pipeline's actors, then the coordinator (idempotent)."""
+        self.failed = self.failed or "the engine was shut down"
         try:
             ray.get(self.coordinator.shutdown.remote(), timeout=timeout)
         except Exception:
             pass
-        self._kill_coordinator()
+        self._kill(self.coordinator)
 
     async def shutdown_async(self, timeout: float = 3):
         """shutdown() for a server's event loop: waits up to timeout for the pipeline's actors to stop."""
+        self.failed = self.failed or "the engine was shut down"
         try:
             await asyncio.wait_for(self.coordinator.shutdown.remote(), timeout)
         except Exception:       # timed out, or gone: killing the coordinator ends its actors with it
             pass
-        self._kill_coordinator()
+        self._kill(self.coordinator)
 
-    def _kill_coordinator(self):
+    @staticmethod
+    def _kill(coordinator):
         try:
-            ray.kill(self.coordinator, no_restart=True)
+            ray.kill(coordinator, no_restart=True)
         except Exception:
             pass

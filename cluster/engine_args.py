@@ -22,6 +22,7 @@ TRANSPORTS = ("object_store", "gloo", "nccl", "shm")      # how activations move
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before the health check fails
+PLACEMENT_TIMEOUT = 120.0  # seconds for Ray to place a pipeline's actors (at start, or again after a node was lost)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class EngineArgs:
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
     prefix_cache_gb: float | None = None     # GiB of prefix cache, all stages (None: a share of free memory; 0: off)
     stall_timeout: float = STALL_TIMEOUT
+    placement_timeout: float = PLACEMENT_TIMEOUT
     chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
     chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)
     fault_injection: dict | None = None      # test hook: see Coordinator._maybe_inject_fault
@@ -102,8 +104,10 @@ class EngineArgs:
                                                    and not isinstance(self.itl_target_ms, bool)
                                                    and 0 < self.itl_target_ms < float("inf")):
             fail("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
-        if not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
-            fail("stall_timeout", f"must be positive, got {self.stall_timeout!r}")
+        for name in ("stall_timeout", "placement_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
+                fail(name, f"must be a positive number of seconds, got {value!r}")
         if self.chat_template_kwargs is not None:
             try:
                 check_template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
@@ -193,6 +197,9 @@ FLAGS = {
                           help="while sequences decode, cut the prompt tokens of the steps ahead of their next token "
                                "to what keeps it within MS milliseconds (measured step costs; shorter inter-token "
                                "latency for a longer time to first token; default: no bound)"),
+    "placement_timeout": dict(type=float, metavar="S",
+                              help="seconds to wait for the Ray cluster to place the pipeline's actors, at start and "
+                                   "again after a node is lost; then it fails, saying so (default %(default)g)"),
     "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
                                       "(-1: unbounded)"),
 }

@@ -15,6 +15,7 @@ Transports (outputs never depend on the choice):
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -61,7 +62,11 @@ class Pipeline:
         # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (args.pp * args.ep)
         self.pg = placement_group(bundles, strategy=PLACEMENTS[args.placement])
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            self._wait_placed(time.monotonic() + args.placement_timeout)
+        except RaymoeError:
+            remove_placement_group(self.pg)
+            raise
         if args.transport == "shm":
             self._check_one_node()
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
@@ -72,6 +77,17 @@ class Pipeline:
         for i in range(args.pp):
             self._start_stage(i, spec.name and f"{spec.name}-stage{i}")
         self._connect()
+
+    def _wait_placed(self, deadline: float):
+        """Until Ray has placed every bundle (again, after a node with some of them was lost); RaymoeError at
+        the deadline."""
+        try:
+            ray.get(self.pg.ready(), timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            slot = "GPU" if self.args.device == "cuda" else "CPU"
+            raise RaymoeError(f"the Ray cluster had no room for the pipeline's {self.pg.bundle_count} actors (a {slot} "
+                              f"and its memory each) within {self.args.placement_timeout:g} s; add nodes, use fewer "
+                              f"stages (--pp, --ep) or wait longer (--placement-timeout)") from None
 
     def _check_one_node(self):
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
@@ -105,9 +121,9 @@ class Pipeline:
         self.stages[i] = StageActor.options(**options).remote(a, layers, experts or None, self.stages_here[i])
         self.loading[i] = self.stages[i].load.remote()
 
-    def _connect(self):
+    def _connect(self, timeout: float | None = None):
         """Wait for every actor to load; join the process group for the gloo transport, make the rings for shm."""
-        ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex])
+        ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex], timeout=timeout)
         self.loading.clear()
         if self.args.transport in P2P:
             address = ray.get(self.stages[0].rendezvous_address.remote())
@@ -150,16 +166,31 @@ class Pipeline:
         """Replace dead actors (all of them for gloo, whose group cannot lose a member) and clear
         every stage's caches; the caller recomputes the sequences in flight. With shm a survivor is never
         stuck: a ring whose other end died reads EOF, so its pending steps fail at once; every ring is then
-        made anew."""
+        made anew. Actors lost with their node go where Ray places their bundles again (another node with
+        room); until then the new actors die or wait, and it tries again, for at most placement_timeout: then
+        RaymoeError."""
+        deadline = time.monotonic() + self.args.placement_timeout
+        while True:
+            try:
+                return self._restart_once(deadline)
+            except ray.exceptions.RayError as e:
+                if time.monotonic() >= deadline:
+                    raise RaymoeError(f"the pipeline's actors could not be started again within "
+                                      f"{self.args.placement_timeout:g} s ({type(e).__name__}: "
+                                      f"{str(e).strip().splitlines()[0]})") from None
+                time.sleep(1)
+
+    def _restart_once(self, deadline: float) -> list[int]:
         if self.args.transport in P2P:     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:
             dead = [i for i, a in enumerate(self.stages) if not self._alive([a] + self.experts[i])]
         for i in dead:
             self._kill(i)
+        self._wait_placed(deadline)
         for i in dead:
             self._start_stage(i)
-        self._connect()
+        self._connect(timeout=max(1.0, deadline - time.monotonic()))
         ray.get([a.reset.remote() for a in self.stages])
         return dead
 

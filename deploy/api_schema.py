@@ -558,7 +558,8 @@ def _error(description: str) -> dict:
 
 ERRORS = {400: "a request that the server refuses (the error names the field)", 401: "no or a wrong API key",
           404: "an unknown model", 413: "a body larger than --max-body-bytes",
-          503: "the server is busy (queue_full), its pipeline is down, or it is shutting down"}
+          503: "the server is busy (queue_full), its pipeline is down, it is shutting down, or the replica serving the "
+               "request died (replica_unavailable: retry)"}
 HEALTH_503 = "the engine cannot serve (it gave up, or it is stalled), or the server is shutting down"
 
 

@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=1,
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
-                         "max_model_len", "max_running", "prefix_cache_gb", "chat_template", "chat_template_kwargs"])
+                         "max_model_len", "max_running", "prefix_cache_gb", "chat_template", "chat_template_kwargs",
+                         "placement_timeout"])
     # sampling defaults of the job; a line's own values override them, and they override the model's
     # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
     p.add_argument("--max-tokens", type=int, default=None, help="default 64")
@@ -177,8 +178,10 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     prefix = stats["prefix_cache"]
     prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
                    f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    restarts = stats["coordinator_restarts"]
+    restarts = f"; the coordinator died and was replaced {restarts} times" if restarts else ""
     print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
-          f"transport={args.transport}{prefix_text}",
+          f"transport={args.transport}{prefix_text}{restarts}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

@@ -406,4 +406,4 @@ def app_builder(args: ServeArgs):
     args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template))
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
-    return RaymoeServer.bind(dataclasses.asdict(args))
+    return RaymoeServer.options(num_replicas=args.replicas).bind(dataclasses.asdict(args))

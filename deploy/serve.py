@@ -33,6 +33,7 @@ from ray import serve
 
 from cluster.engine_args import add_engine_flags
 from deploy.http_app import _url_host, app_builder, is_loopback
+from deploy.replica_errors import PROXY_CALLBACK
 from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES, ServeArgs
 from stages.errors import RaymoeError
 
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
                          "max_model_len", "prefix_cache_gb", "max_queued", "itl_target_ms", "chat_template",
-                         "chat_template_kwargs"], ServeArgs)
+                         "chat_template_kwargs", "placement_timeout"], ServeArgs)
     p.add_argument("--host", default="127.0.0.1",
                    help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -64,6 +65,9 @@ def parse_args(argv=None):
                    help="larger HTTP bodies get 413 (and gRPC messages RESOURCE_EXHAUSTED)")
     p.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH, help="deeper JSON bodies get 400")
     p.add_argument("--max-messages", type=int, default=MAX_MESSAGES, help="chats with more messages get 400")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="ingress replicas, each with a pipeline of its own; Serve's proxy spreads requests over them, "
+                        "and should one die, only its requests in flight fail (docs/faults.md)")
     p.add_argument("--app-name", default=APP_NAME, help="the Serve application's name")
     return p.parse_args(argv)
 
@@ -136,8 +140,11 @@ def main(argv=None) -> int:
 
     from cluster.engine import connect_ray
     ray_was_up = ray.is_initialized()
+    if not (ray_was_up or os.environ.get("RAY_ADDRESS")):
+        # the local cluster's HTTP proxy answers for a replica that dies with a 503 (deploy/replica_errors.py)
+        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
     # interruptible from here on (Ray's own startup installs no handlers after this point)
-    connect_ray(args.pp * (1 + args.ep))
+    connect_ray(args.pp * (1 + args.ep) * max(1, args.replicas))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False

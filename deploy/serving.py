@@ -38,8 +38,9 @@ class ServeArgs(EngineArgs):
     max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
     max_json_depth: int = MAX_JSON_DEPTH
     max_messages: int = MAX_MESSAGES          # messages per chat request
+    replicas: int = 1                         # ingress replicas, each with a pipeline of its own (docs/faults.md)
 
-    @field_validator("max_body_bytes", "max_json_depth", "max_messages")
+    @field_validator("max_body_bytes", "max_json_depth", "max_messages", "replicas")
     @classmethod
     def _positive(cls, v, info):
         if v < 1:
@@ -71,11 +72,14 @@ class Generation:
         try:
             async for update in self._updates():
                 yield update
-        except Exception:
-            if not self.serving.stopping:
-                raise
-            self._close("shutdown", None)       # the engine stopped under it (Serving.stop)
-            raise shutting_down() from None
+        except Exception as e:
+            if self.serving.stopping:
+                self._close("shutdown", None)       # the engine stopped under it (Serving.stop)
+                raise shutting_down() from None
+            if isinstance(e, RaymoeError) and not isinstance(e, RequestError):
+                self._close("error", None)          # the engine gave up under it (docs/faults.md)
+                raise APIError(503, f"the pipeline is unavailable: {e}", code="unavailable") from None
+            raise
 
     async def _updates(self):
         m = self.serving.metrics

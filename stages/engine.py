@@ -65,18 +65,24 @@ class EngineCore:
         """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
         self.prefix = PrefixCache.for_model(model, budget, self.groups[0].grid, mode)
 
-    def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id, prompt_ids: list[int], params: SamplingParams,
+                    seq_id: int | None = None) -> Sequence:
+        """seq_id: a sequence re-admitted under the id it had (a restarted coordinator); new ones count on."""
         check_prompt(prompt_ids, self.config.vocab, self.config.context_length)
         params.validate(vocab=self.config.vocab)      # token ids of logit_bias and stop_token_ids
         if params.grammar is not None:
             check_grammar(params.grammar, self.tokenizer)
-        seq = Sequence(next(self._ids), request_id, prompt_ids, params, self.tokenizer, self.eos_ids,
-                       self.config.context_length)
+        seq = Sequence(next(self._ids) if seq_id is None else seq_id, request_id, prompt_ids, params,
+                       self.tokenizer, self.eos_ids, self.config.context_length)
         if self.cache_budget is not None:
             self.cache_budget.check(seq.max_length)
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def continue_ids(self, first: int):
+        """New sequences get ids from `first` on (a coordinator that took over from a dead one: past its ids)."""
+        self._ids = itertools.count(first)
 
     def running(self) -> int:
         return sum(len(g.running) for g in self.groups)

@@ -85,6 +85,15 @@ def descendants(pid: int) -> dict[int, int]:
     return out
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line, its arguments separated by NUL (b"" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def still_running(processes: dict[int, int]) -> list[int]:
     """Those of `processes` that still exist (same pid and start time)."""
     return [pid for pid, started in processes.items() if started is not None and start_time(pid) == started]

@@ -1,5 +1,6 @@
 """The Ray cluster: PP=1/2/4 and EP give bit-identical outputs for every transport; each stage
-holds only its share of the weights; a stage killed mid-run is replaced without changing the output."""
+holds only its share of the weights; a stage killed mid-run is replaced without changing the output; a
+coordinator that dies too often fails the engine with one line."""
 import os
 
 import pytest
@@ -224,17 +225,32 @@ def test_shm_passes_a_failure_down_the_rings(exact_reference):
             assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
 
 
-def test_coordinator_death_fails_with_a_clear_message():
+def test_coordinator_deaths_beyond_the_limit_fail_with_one_line(monkeypatch):
+    """A dead coordinator is replaced and its requests finish (tests/test_coordinator_faults.py: unchanged);
+    one death more than MAX_RESTARTS within RESTART_WINDOW fails the engine, for good, with one line."""
     import ray
+
+    import cluster.engine
     from stages.errors import RaymoeError
 
+    monkeypatch.setattr(cluster.engine, "MAX_RESTARTS", 1)
     engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2))
     try:
-        engine.submit_many(requests(engine.config.vocab))
+        batch = requests(engine.config.vocab)
+        seq_ids = engine.submit_many(batch)
         ray.kill(engine.coordinator, no_restart=True)
-        with pytest.raises(RaymoeError, match="the coordinator actor died"):
+        results = {}
+        while len(results) < len(seq_ids):
+            results.update(engine.wait_finished(timeout=5))
+        assert sorted(results) == sorted(seq_ids) and all("error" not in r for r in results.values())
+        assert engine.stats()["coordinator_restarts"] == 1
+        engine.submit_many(batch)
+        ray.kill(engine.coordinator, no_restart=True)
+        with pytest.raises(RaymoeError, match="^the coordinator actor died 2 times within 10 minutes; giving up"):
             for _ in range(10):
                 engine.wait_finished(timeout=1)
+        with pytest.raises(RaymoeError, match="giving up"):
+            engine.submit("late", batch[0][1])
     finally:
         engine.shutdown()
 

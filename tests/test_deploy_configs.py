@@ -85,6 +85,12 @@ def test_rayservice_manifest():
     head = check_cluster(manifest["spec"]["rayClusterConfig"], stages=app.args["pp"] * (1 + app.args.get("ep", 0)))
     ports = {p["containerPort"] for p in head["ports"]}
     assert {8000, 9000, app.args["grpc_port"]} <= ports
+    # every node's Serve proxy answers 503 for a replica that died (docs/faults.md)
+    from deploy.replica_errors import PROXY_CALLBACK
+    cluster = manifest["spec"]["rayClusterConfig"]
+    for container in [head] + [g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]:
+        assert {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": PROXY_CALLBACK} in container["env"]
+    assert callable(import_attr(PROXY_CALLBACK))
 
 
 def test_rayjob_manifest():

@@ -1,7 +1,8 @@
 """Two real Ray nodes on this machine (`ray start --head`, then `ray start --address`), a PP=2 pipeline
 placed with one stage per node (--placement spread), with the object_store and gloo transports: the outputs
-equal one node's; shm, which needs one node, is refused. Each node is a `ray start --block` in its own
-process group, stopped by its process id."""
+equal one node's; shm, which needs one node, is refused. A node lost mid-job (its raylet killed): the stage
+moves to the other node, or the job fails with one line and --resume finishes it. Each node is a
+`ray start --block` in its own process group, stopped by its process id."""
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from serve_util import ROOT, descendants
+from serve_util import ROOT, cmdline, descendants
 from test_ray_job import BIN, free_ports
 
 from deploy import generate
@@ -58,23 +59,29 @@ def wait_started(proc: subprocess.Popen, log_path):
 
 @pytest.fixture
 def two_nodes(tmp_path):
+    """(address, env, nodes, add_worker): a head and a worker node, each of 2 CPUs; add_worker() joins another."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
-    port, client, *node_ports = free_ports(2 + 2 * len(PORT_FLAGS))     # all distinct
+    port, client, *head_ports = free_ports(2 + len(PORT_FLAGS))     # all distinct
     address = f"127.0.0.1:{port}"
     temp_dir = tempfile.mkdtemp(prefix="raymoe-2n-")      # short: Ray's socket paths must fit 107 bytes
     nodes = []
+
+    def start(name: str, args: list[str], ports: list[int]):
+        log_path = tmp_path / f"{name}.log"
+        with open(log_path, "w") as log:
+            nodes.append(start_node(args, ports, log, env))
+        wait_started(nodes[-1], log_path)
+
+    def add_worker():
+        start(f"worker{len(nodes)}", [f"--address={address}", '--resources={"node_b": 1}'],
+              free_ports(len(PORT_FLAGS)))
+
     try:
-        for name, args in [("head", ["--head", f"--port={port}", "--include-dashboard=false",
-                                     f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}",
-                                     '--resources={"node_a": 1}']),
-                           ("worker", [f"--address={address}", '--resources={"node_b": 1}'])]:
-            log_path = tmp_path / f"{name}.log"
-            with open(log_path, "w") as log:
-                ports = node_ports[:len(PORT_FLAGS)] if name == "head" else node_ports[len(PORT_FLAGS):]
-                nodes.append(start_node(args, ports, log, env))
-            wait_started(nodes[-1], log_path)
-        yield address, env, nodes
+        start("head", ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={client}",
+                       f"--temp-dir={temp_dir}", '--resources={"node_a": 1}'], head_ports)
+        add_worker()
+        yield address, env, nodes, add_worker
     finally:
         for proc in reversed(nodes):
             stop_node(proc)
@@ -86,16 +93,8 @@ def stage_processes(node: subprocess.Popen) -> int:
     return sum(b"ray::StageActor" in cmdline(pid) for pid in descendants(node.pid))
 
 
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def test_pp2_spread_over_two_nodes_equals_one_node(two_nodes, tmp_path):
-    address, env, nodes = two_nodes
+    address, env, nodes, _ = two_nodes
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     one_node = tmp_path / "one-node.jsonl"
@@ -128,3 +127,75 @@ def test_pp2_spread_over_two_nodes_equals_one_node(two_nodes, tmp_path):
     assert job.returncode == 2
     assert ("error: --transport shm needs every stage on one node, and Ray placed the 2 stages on 2 nodes: use "
             "--transport gloo across nodes") in job.stderr, job.stderr[-3000:]
+
+
+def raylet(node: subprocess.Popen) -> int:
+    pid, = [p for p in descendants(node.pid) if cmdline(p).split(b"\0")[0].endswith(b"/raylet")]
+    return pid
+
+
+def lines_in(path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_lost_node_moves_its_stage_or_fails_the_job_and_resume_finishes_it(two_nodes, tmp_path):
+    """A node that holds a stage stops mid-job (its raylet SIGKILLed). With room on the other node Ray places the
+    stage's bundle there again, the stage restarts and the output is the uninterrupted one; with no room the job
+    fails with one line after --placement-timeout, and once a node joins, --resume finishes it to the same output."""
+    from test_coordinator_faults import batch_lines
+
+    address, env, nodes, add_worker = two_nodes
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in batch_lines(200)))
+    reference = tmp_path / "reference.jsonl"
+    assert generate.main(["--model", "tiny-qwen35moe", "--pp", "2", "--input", str(src), "--output",
+                          str(reference)]) == 0          # this session's single-node cluster
+
+    def job(out, pp: int, *flags):
+        return subprocess.Popen([sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--pp", str(pp),
+                                 "--placement", "spread", "--input", str(src), "--output", str(out), *flags],
+                                cwd=ROOT, env={**env, "RAY_ADDRESS": address}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    def kill_worker_mid_job(proc, out, worker, pp: int) -> list[int]:
+        """SIGKILL the worker node's raylet once the job has written 20 lines; the most stage actors seen
+        under each node after that, until the job ends."""
+        deadline = time.time() + 300
+        while lines_in(out) < 20 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and stage_processes(worker) >= 1, "the job ended, or had no stage there"
+        os.kill(raylet(worker), signal.SIGKILL)
+        killed, written = time.time(), lines_in(out)
+        most = [0] * len(nodes)
+        while proc.poll() is None and time.time() < deadline:
+            most = [max(m, stage_processes(node)) for m, node in zip(most, nodes)]
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        print(f"--pp {pp}: worker node lost at line {written}; the job ended {time.time() - killed:.1f} s later")
+        assert written < 200
+        return most
+
+    # room on the head (2 CPUs, one stage): the lost stage is placed there again; nothing changes
+    out = tmp_path / "moved.jsonl"
+    proc = job(out, 2)
+    most = kill_worker_mid_job(proc, out, nodes[1], 2)
+    assert proc.wait() == 0, proc.stderr.read()[-3000:]
+    assert most[0] == 2, most                     # both stages on the head
+    assert out.read_bytes() == reference.read_bytes()
+
+    # no room: three stages over a head of 2 CPUs and a new worker of 2; the worker's stages have nowhere to go
+    add_worker()
+    out = tmp_path / "resumed.jsonl"
+    proc = job(out, 3, "--placement-timeout", "20")
+    kill_worker_mid_job(proc, out, nodes[2], 3)
+    assert proc.wait() == 2
+    err = proc.stderr.read().strip().splitlines()
+    assert err[-1].startswith("error: ") and "no room for the pipeline's 3 actors" in err[-1], err[-5:]
+    assert not any("Traceback" in line for line in err), err[-20:]
+    assert lines_in(out) < 200
+    add_worker()
+    proc = job(out, 3, "--resume")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    assert out.read_bytes() == reference.read_bytes()
