@@ -25,7 +25,7 @@ from . import watchdog
 from .coordinator import MAX_RESTARTS, RESTART_WINDOW, Coordinator
 from .coordinator import QueueFullError  # noqa: F401  (part of this API)
 from .engine_args import EngineArgs
-from .pipeline import PipelineSpec
+from .pipeline import PipelineSpec, remove_group
 
 
 _connected_here = False
@@ -226,12 +226,17 @@ class ClusterEngine:
         if len(self.recent_restarts) > MAX_RESTARTS:
             self._fail(f"the coordinator actor died {len(self.recent_restarts)} times within "
                        f"{RESTART_WINDOW / 60:g} minutes; giving up (the Ray logs say why)")
-        self.restarts += 1
         self._kill(dead)
+        remove_group(self._pipeline_name())
+        self.restarts += 1
         # its own actor names: the dead pipeline's actors may not be gone yet
-        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-{self.restarts}",
+        spec = dataclasses.replace(self.spec, name=self._pipeline_name(),
                                    args=dataclasses.replace(self.spec.args, fault_injection=None))
         return Coordinator.options(num_cpus=0).remote(spec)
+
+    def _pipeline_name(self) -> str:
+        """The name of the current coordinator's pipeline (its actors', its placement group's)."""
+        return f"{self.spec.name}-{self.restarts}" if self.restarts else self.spec.name
 
     def _take_over(self, coordinator):
         """Make `coordinator` the one in use and hand it the open sequences as they stand now (a stream

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 import ray
-from ray.util import placement_group_table
+from ray.util import get_placement_group, placement_group_table
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -52,6 +52,19 @@ class PipelineSpec:
         return split_layers(self.n_layers, self.args.pp, self.args.split)
 
 
+def group_name(pipeline: str | None) -> str:
+    return f"{pipeline}-pg" if pipeline else ""
+
+
+def remove_group(pipeline: str):
+    """Remove the placement group of the pipeline named `pipeline`, if there is one. A dead coordinator's group
+    can outlive it: when its node was lost, Ray even moves the bundles it had there onto the surviving nodes."""
+    try:
+        remove_placement_group(get_placement_group(group_name(pipeline)))
+    except ValueError:      # no group of that name (any more)
+        pass
+
+
 class Pipeline:
     def __init__(self, spec: PipelineSpec):
         args = self.args = spec.args      # validated by the caller (ClusterEngine, deploy.perplexity)
@@ -61,7 +74,7 @@ class Pipeline:
         memory = spec.stage_memory or [0] * args.pp
         # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (args.pp * args.ep)
-        self.pg = placement_group(bundles, strategy=PLACEMENTS[args.placement])
+        self.pg = placement_group(bundles, strategy=PLACEMENTS[args.placement], name=group_name(spec.name))
         try:
             self._wait_placed(time.monotonic() + args.placement_timeout)
         except RaymoeError:
