@@ -4,7 +4,7 @@ context so that every generation is short), from the OpenAPI document the server
 check sends each secured operation's requests again without it and with a wrong one, expecting 401); no
 response may be a 5xx, each must have a status, content type, headers and body that the document gives (the
 events of a stream too: every chunk against its schema, then [DONE]), and what the document refuses must be
-refused (negative_data_rejection). At least MIN_CASES requests in all; the server is healthy and idle after.
+refused (negative_data_rejection; a 413 for a body over the size limit counts). At least MIN_CASES requests in all; the server is healthy and idle after.
 
 Not checked: that what the document allows is accepted (positive_data_acceptance), as a prompt can be too long
 for the context once tokenized, which no schema can say (deploy/api_schema.py).
@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.specs.openapi.checks import positive_data_acceptance
+from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 from serve_util import ServerProcess, get_json, wait_idle
 
@@ -63,6 +63,14 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 def test_the_server_publishes_this_document(server):
     status, published = get_json(server.base + "/openapi.json")
     assert status == 200 and published == json.loads(json.dumps(DOCUMENT))
+
+
+def negative_data_refused(ctx, response, case):
+    """schemathesis's negative_data_rejection, with 413 counted as a refusal too: a schema-violating body (say,
+    more messages than allowed) that is also over --max-body-bytes is refused for its size before it is read."""
+    if response.status_code == 413:
+        return None
+    return negative_data_rejection(ctx, response, case)
 
 
 def event_stream_conforms(ctx, response, case):
@@ -133,8 +141,8 @@ def keep_short(case):
 def test_every_endpoint_keeps_to_its_schema(case, server):
     keep_short(case)
     response = case.call_and_validate(base_url=server.base, headers=AUTH, timeout=REQUEST_TIMEOUT_S,
-                                      excluded_checks=[positive_data_acceptance],
-                                      additional_checks=[event_stream_conforms])
+                                      excluded_checks=[positive_data_acceptance, negative_data_rejection],
+                                      additional_checks=[negative_data_refused, event_stream_conforms])
     SENT.append((case.operation.label, response.status_code))
     assert response.status_code < 500, response.text[:1000]
 
