@@ -100,14 +100,12 @@ class EngineArgs:
                                                      and not isinstance(self.prefix_cache_gb, bool)
                                                      and 0 <= self.prefix_cache_gb < float("inf")):
             fail("prefix_cache_gb", f"must be a number of GiB of at least 0, got {self.prefix_cache_gb!r}")
-        if self.itl_target_ms is not None and not (isinstance(self.itl_target_ms, (int, float))
-                                                   and not isinstance(self.itl_target_ms, bool)
-                                                   and 0 < self.itl_target_ms < float("inf")):
-            fail("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
-        for name in ("stall_timeout", "placement_timeout"):
+        for name, unit, none_ok in (("stall_timeout", "seconds", False), ("placement_timeout", "seconds", False),
+                                    ("itl_target_ms", "milliseconds", True)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
-                fail(name, f"must be a positive number of seconds, got {value!r}")
+            if not ((none_ok and value is None) or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                    and 0 < value < float("inf"))):
+                fail(name, f"must be a positive number of {unit}, got {value!r}")
         if self.chat_template_kwargs is not None:
             try:
                 check_template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
