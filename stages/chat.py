@@ -129,10 +129,10 @@ def validate_messages(messages) -> list[dict]:
                 raise RequestError(f"messages[{i}].{key} must be a string")
         # Reasoning arrives under several names; Qwen templates read `reasoning_content`, gpt-oss
         # templates `thinking`. transformers fills both, so do we.
+        for key in _REASONING_FIELDS:
+            if key in message and not isinstance(message[key], str):
+                raise RequestError(f"messages[{i}].{key} must be a string")
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
-        if reasoning is not None and not isinstance(reasoning, str):
-            name = next(key for key in _REASONING_FIELDS if key in message)
-            raise RequestError(f"messages[{i}].{name} must be a string")
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)

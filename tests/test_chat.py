@@ -96,6 +96,10 @@ def test_template_helpers():
         ([{"role": "user", "content": None}], r"messages\[0\].content must be a string"),
         ([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}], r"messages\[1\].role must be a string"),
         ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], r"messages\[0\].content must be a string"),
+        # every reasoning field is checked, not only the one the template will read (a fuzzer's find)
+        ([{"role": "assistant", "content": "a", "reasoning_content": "", "reasoning": False}],
+         r"messages\[0\].reasoning must be a string"),
+        ([{"role": "assistant", "content": "a", "thinking": 1}], r"messages\[0\].thinking must be a string"),
     ],
 )
 def test_malformed_messages(messages, message):
