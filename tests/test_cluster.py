@@ -53,22 +53,51 @@ def run(model, **kwargs):
         engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def references():
+    """references(model) -> (model, results, stats) of PP=1 over the object store, run once per model."""
+    done = {}
+
+    def get(model):
+        if model not in done:
+            results, stats = run(model, pp=1)
+            assert all("error" not in r for r in results)
+            assert any(r["prompt_logprobs"] for r in results) and any(r["logprobs"] for r in results)
+            done[model] = model, results, stats
+        return done[model]
+    return get
+
+
 @pytest.fixture(scope="module", params=MODELS)
-def reference(request):
-    results, stats = run(request.param, pp=1)
-    assert all("error" not in r for r in results)
-    assert any(r["prompt_logprobs"] for r in results) and any(r["logprobs"] for r in results)
-    return request.param, results, stats
+def reference(request, references):
+    return references(request.param)
 
 
-@pytest.mark.parametrize("pp, transport", [(1, "gloo"), (2, "object_store"), (2, "gloo"), (2, "shm"),
-                                           (4, "object_store"), (4, "gloo"), (4, "shm")])
-def test_pipeline_degrees_are_bit_identical(reference, pp, transport):
+# Every transport at PP=2 for both families; PP=4 (three hops) once per transport, spread over the families
+# (each engine costs a Ray actor per stage, a few seconds of the suite; PP=3 over shm: test_shm_rings_...).
+DEGREES = [(model, 2, transport) for model in MODELS for transport in TRANSPORTS] + [
+    ("tiny-qwen35moe", 4, "gloo"), ("tiny-qwen35moe", 4, "shm"), ("tiny-gptoss", 4, "object_store")]
+
+
+@pytest.mark.parametrize("model, pp, transport", DEGREES)
+def test_pipeline_degrees_are_bit_identical(references, model, pp, transport):
     """The reference is PP=1 over the object store; every other degree and transport equals it."""
-    model, expected, _ = reference
+    _, expected, _ = references(model)
     results, stats = run(model, pp=pp, transport=transport)
     assert results == expected               # token ids, logprobs and prompt logprobs, bit for bit
     assert len(stats["stages"]) == pp
+    if pp == 4:
+        each_stage_holds_only_its_share(model, stats)
+
+
+def each_stage_holds_only_its_share(model: str, stats: dict):
+    files = open_model(model)
+    whole = Stage(files, range(files.n_layers)).parameter_bytes()
+    shares = [s["parameter_bytes"] for s in stats["stages"]]
+    assert sum(shares) == whole
+    assert all(0 < b < 0.5 * whole for b in shares)
+    per = files.n_layers // 4
+    assert [s["layers"] for s in stats["stages"]] == [[i * per, (i + 1) * per] for i in range(4)]
 
 
 def test_expert_parallel_is_bit_identical(reference):
@@ -87,24 +116,23 @@ def test_qwen3next_pipeline_and_experts_are_bit_identical(oracle):
     assert run(path, pp=2, ep=2)[0] == expected
 
 
-def test_an_itl_target_reaches_the_scheduler(reference):
+def test_an_itl_target_reaches_the_scheduler(references):
     """--itl-target-ms at 1 ms (far below any step here): while sequences decode, prompts go on in the
     smallest chunks, so the same requests take more steps, and every one still completes."""
-    model, expected, stats = reference
+    model, expected, stats = references("tiny-gptoss")
     results, bounded = run(model, pp=2, itl_target_ms=1)
     assert all("error" not in r and r["token_ids"] for r in results)
     assert bounded["prefill_tokens"] == stats["prefill_tokens"] and bounded["steps"] > stats["steps"]
 
 
-def test_a_stage_alone_takes_every_core_and_busy_stages_share_them(reference):
+def test_a_stage_alone_takes_every_core_and_busy_stages_share_them():
     """Without --threads, at PP=2 on one node: a 250-token prompt alone in the pipeline is prefilled with
     every core of each stage in turn; its decode steps, too small to share out (PARALLEL_MIN_BYTES), on one
     thread; two prompts in flight at once share the cores between the stages."""
     from kernels.threads import node_cores
 
-    model, _, _ = reference
     cores = node_cores()
-    engine = ClusterEngine(EngineArgs(model, pp=2, prefill_chunk=256, max_batch_tokens=512))
+    engine = ClusterEngine(EngineArgs("tiny-qwen35moe", pp=2, prefill_chunk=256, max_batch_tokens=512))
     prompt = {"prompt_token_ids": list(range(3, 253)), "max_tokens": 3, "temperature": 0}
     try:
         def run_all(requests):
@@ -119,34 +147,33 @@ def test_a_stage_alone_takes_every_core_and_busy_stages_share_them(reference):
         engine.shutdown()
 
 
-def test_each_stage_holds_only_its_share(reference):
-    model, _, _ = reference
-    files = open_model(model)
-    whole = Stage(files, range(files.n_layers)).parameter_bytes()
-    _, stats = run(model, pp=4)
-    shares = [s["parameter_bytes"] for s in stats["stages"]]
-    assert sum(shares) == whole
-    assert all(0 < b < 0.5 * whole for b in shares)
-    per = files.n_layers // 4
-    assert [s["layers"] for s in stats["stages"]] == [[i * per, (i + 1) * per] for i in range(4)]
-
-
 @pytest.fixture(scope="module")
-def exact_reference(reference):
-    """PP=1 in the exact mode: what a stage restart must reproduce. (In the fast mode the caches that a
-    restart rebuilds by prefill come from float32 products where the original decode steps quantised
-    activations to 8 bits, so later tokens may differ, as they would for the same prompt sent again in
-    one piece.)"""
-    model, expected, _ = reference
-    if model == "tiny-qwen35moe":          # float32 weights: the default mode is the exact one
-        return model, expected
-    results, _ = run(model, pp=1, dtype="float32")
-    return model, results
+def exact_references(references):
+    """exact_references(model) -> (model, results) of PP=1 in the exact mode: what a stage restart must
+    reproduce. (In the fast mode the caches that a restart rebuilds by prefill come from float32 products
+    where the original decode steps quantised activations to 8 bits, so later tokens may differ, as they
+    would for the same prompt sent again in one piece.)"""
+    done = {}
+
+    def get(model):
+        if model not in done:
+            if model == "tiny-qwen35moe":          # float32 weights: the default mode is the exact one
+                done[model] = model, references(model)[1]
+            else:
+                done[model] = model, run(model, pp=1, dtype="float32")[0]
+        return done[model]
+    return get
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_stage_is_replaced_and_output_unchanged(exact_reference, transport):
-    model, expected = exact_reference
+@pytest.fixture(scope="module", params=MODELS)
+def exact_reference(request, exact_references):
+    return exact_references(request.param)
+
+
+# object store and gloo, one family each; a stage killed under shm: test_shm_rings_leave_nothing_behind
+@pytest.mark.parametrize("model, transport", [("tiny-qwen35moe", "object_store"), ("tiny-gptoss", "gloo")])
+def test_killed_stage_is_replaced_and_output_unchanged(exact_references, model, transport):
+    _, expected = exact_references(model)
     results, stats = run(model, pp=2, transport=transport, dtype="float32",
                          fault_injection={"stage": 1, "after_steps": 5})
     assert stats["restarts"] == 1
@@ -209,12 +236,12 @@ def test_shm_rings_leave_nothing_behind(exact_reference):
     assert not [p + end for p in paths for end in ("", ".full", ".free") if os.path.exists(p + end)]
 
 
-def test_shm_passes_a_failure_down_the_rings(exact_reference):
+def test_shm_passes_a_failure_down_the_rings(exact_references):
     """A stage that runs out of memory tells the next one through its ring, which fails too rather than
     waiting: the step's sequences get the out-of-memory error, the others go on unchanged."""
     from cluster.coordinator import OOM_ERROR
 
-    model, expected = exact_reference
+    model, expected = exact_references("tiny-gptoss")
     results, stats = run(model, pp=2, transport="shm", dtype="float32",
                          fault_injection={"stage": 0, "after_steps": 5, "kind": "oom"})
     assert stats["restarts"] == 1
@@ -255,10 +282,10 @@ def test_coordinator_deaths_beyond_the_limit_fail_with_one_line(monkeypatch):
         engine.shutdown()
 
 
-def test_out_of_memory_fails_its_batch_and_is_not_retried(exact_reference):
+def test_out_of_memory_fails_its_batch_and_is_not_retried(exact_references):
     from cluster.coordinator import OOM_ERROR
 
-    model, expected = exact_reference
+    model, expected = exact_references("tiny-qwen35moe")
     results, stats = run(model, pp=2, dtype="float32", fault_injection={"stage": 1, "after_steps": 5, "kind": "oom"})
     assert stats["restarts"] == 1
     failed = [r for r in results if "error" in r]
