@@ -54,20 +54,21 @@ def test_seed_gives_same_tokens_whatever_the_batch(tmp_path):
     target = {"id": "t", "prompt": "Once upon a time", "temperature": 1.0, "seed": 1234, "max_tokens": 12}
     alone = run(tmp_path, [target], name="alone")[0]
     crowd = [{"id": i, "prompt": "noise " * (i + 1), "temperature": 0.9, "max_tokens": 6 + i} for i in range(5)]
-    mixed = run(tmp_path, crowd[:2] + [target] + crowd[2:], name="mixed")[2]
-    assert mixed["token_ids"] == alone["token_ids"]
-    other_seed = run(tmp_path, [{**target, "seed": 99}], name="other")[0]
-    assert other_seed["token_ids"] != alone["token_ids"]
+    other_seed = {**target, "id": "other", "seed": 99}
+    out = run(tmp_path, crowd[:2] + [target] + crowd[2:] + [other_seed], name="mixed")
+    assert out[2]["token_ids"] == alone["token_ids"]
+    assert out[-1]["token_ids"] != alone["token_ids"]
 
 
 def test_sampling_controls(tmp_path):
     base = {"prompt": "The numbers", "max_tokens": 8, "logprobs": 5}
-    greedy = run(tmp_path, [{**base, "temperature": 0}], name="greedy")[0]
-    top1 = run(tmp_path, [{**base, "temperature": 1.5, "top_k": 1, "seed": 3}], name="topk")[0]
+    # one job: each line's sampling is its own, whatever else is in the batch (test_seed_gives_same_tokens_...)
+    greedy, top1, tiny_p, hot = run(tmp_path, [{**base, "temperature": 0},
+                                               {**base, "temperature": 1.5, "top_k": 1, "seed": 3},
+                                               {**base, "temperature": 1.5, "top_p": 1e-6, "seed": 4},
+                                               {**base, "temperature": 1.0, "seed": 5}])
     assert top1["token_ids"] == greedy["token_ids"]      # top_k 1 is greedy whatever the temperature
-    tiny_p = run(tmp_path, [{**base, "temperature": 1.5, "top_p": 1e-6, "seed": 4}], name="topp")[0]
     assert tiny_p["token_ids"] == greedy["token_ids"]    # top_p -> only the most likely token survives
-    hot = run(tmp_path, [{**base, "temperature": 1.0, "seed": 5}], name="hot")[0]
     for entry in hot["logprobs"]:                        # logprobs are of the raw logits: a distribution
         assert sum(math.exp(lp) for _, lp in entry["top"]) <= 1.0 + 1e-6
         assert entry["logprob"] in [lp for _, lp in entry["top"]] or entry["logprob"] <= entry["top"][-1][1]

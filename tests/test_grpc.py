@@ -1,6 +1,6 @@
 """The gRPC service of protos/ through Ray Serve's gRPC proxy, beside HTTP, on a real
 `python -m deploy.serve` process: gRPC results and streamed tokens equal the HTTP API's, errors map
-to gRPC status codes, a cancelled stream frees its sequence, and SIGTERM stops everything."""
+to gRPC status codes, a cancelled stream frees its sequence, and SIGINT stops everything."""
 import signal
 
 import grpc
@@ -144,9 +144,10 @@ def test_cancelled_calls_free_their_sequences(server, stub):
     wait_idle(server.base)
 
 
-def test_sigterm_stops_everything(server):
-    """Last in this module: SIGTERM to deploy.serve shuts down Serve and its Ray cluster, no process left."""
+def test_sigint_stops_everything(server):
+    """Last in this module: SIGINT (Ctrl-C) to deploy.serve shuts down Serve and the Ray cluster it started, no
+    process left. (SIGTERM: tests/test_serve_safety.py.)"""
     tree = descendants(server.proc.pid)
-    assert len(tree) >= 3
-    assert server.stop(signal.SIGTERM) == 0, server.tail()
+    assert len(tree) >= 3                           # gcs, raylet, workers...
+    assert server.stop(signal.SIGINT) == 0, server.tail()
     assert still_running(tree) == [], server.tail()

@@ -60,7 +60,10 @@ def wait_started(proc: subprocess.Popen, log_path):
 @pytest.fixture
 def two_nodes(tmp_path):
     """(address, env, nodes, add_worker): a head and a worker node, each of 2 CPUs; add_worker() joins another."""
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    # the GCS declares a silent node dead after ~2 s (Ray's defaults: ~15 s), so a lost node costs the test less
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+           "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+           "RAY_health_check_failure_threshold": "3"}
     env.pop("RAY_ADDRESS", None)
     port, client, *head_ports = free_ports(2 + len(PORT_FLAGS))     # all distinct
     address = f"127.0.0.1:{port}"
@@ -188,7 +191,7 @@ def test_a_lost_node_moves_its_stage_or_fails_the_job_and_resume_finishes_it(two
     # no room: three stages over a head of 2 CPUs and a new worker of 2; the worker's stages have nowhere to go
     add_worker()
     out = tmp_path / "resumed.jsonl"
-    proc = job(out, 3, "--placement-timeout", "20")
+    proc = job(out, 3, "--placement-timeout", "10")
     kill_worker_mid_job(proc, out, nodes[2], 3)
     assert proc.wait() == 2
     err = proc.stderr.read().strip().splitlines()

@@ -1,10 +1,9 @@
 """The OpenAI-compatible Serve endpoint, through the official `openai` client against a local server:
 outputs equal deploy.generate's for the same seed, streamed text equals non-streamed text, 32
 concurrent streams, disconnects free their sequences, back-pressure (503) and every error status,
-/metrics, and `python -m deploy.serve` as a real process stopped by SIGINT."""
+and /metrics. (`python -m deploy.serve` as a real process: tests/test_grpc.py, tests/test_serve_safety.py.)"""
 import asyncio
 import json
-import signal
 
 import aiohttp
 import openai
@@ -13,7 +12,7 @@ import pytest
 from deploy import generate
 from deploy.metrics import parse_metrics
 from deploy.openai_api import TextDeltas
-from serve_util import ServerProcess, descendants, free_port, get_json, get_text, post_raw, still_running, wait_idle
+from serve_util import free_port, get_json, get_text, post_raw, wait_idle
 
 pytestmark = pytest.mark.cluster
 
@@ -452,20 +451,3 @@ def test_metrics(client, server):
     for gauge in ("raymoe_queue_length", "raymoe_cache_slots_used", "raymoe_requests_in_flight"):
         assert m[gauge + label] == 0
     assert "# TYPE raymoe_time_to_first_token_seconds histogram" in text
-
-
-def test_cli_serves_and_sigint_stops_everything(tmp_path):
-    """`python -m deploy.serve` as a real process with its own local Ray: it serves, and SIGINT shuts down
-    Serve and the Ray cluster it started, leaving none of its processes."""
-    server = ServerProcess(tmp_path / "serve.log", "--grpc-port", "0")
-    try:
-        server.wait_ready()
-        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
-        assert r.usage.completion_tokens == 4
-        tree = descendants(server.proc.pid)
-        assert len(tree) >= 3                       # gcs, raylet, workers...
-        assert server.stop(signal.SIGINT) == 0, server.tail()
-        assert still_running(tree) == [], server.tail()
-    finally:
-        server.kill()
