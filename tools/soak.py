@@ -1,15 +1,20 @@
 """Soak test of the serving endpoint, on demand (not in CI): a bounded run of mixed valid and hostile
-requests, streams dropped at random points, and a stage actor killed twice (SIGKILL).
+requests, streams dropped at random points, and processes killed (SIGKILL) under load: stage actors, a
+coordinator and an ingress replica (the server runs 2 replicas).
 
-    python -m tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--port PORT] [--json FILE]
+    python -m tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--replicas 2] [--json FILE]
+                         [--kills stage,coordinator,replica,stage]
     python -m tools.soak --url http://127.0.0.1:8000 [--server-pid PID] [--api-key KEY]   # a running server
 
 It starts `deploy.serve` on 127.0.0.1 (with an API key, so that auth is exercised) unless --url is
 given, sends traffic for a warm-up tenth of --minutes and then the rest, and stops itself and the
 server it started. It reports requests by outcome, errors by kind, answers that were not the
 expected ones, recovery after each kill, slots left held once idle (must be 0), and the growth of
-the server's process tree memory from the end of warm-up to the end (must be < 10%). Exit code 1
-when slots leaked, memory grew 10% or more, the server died, or it did not recover from a kill.
+the server's process tree memory from the end of warm-up to the end (must be < 10%). A request a
+killed replica had in flight may end with the documented retryable error (503 / stream error event
+`replica_unavailable`, docs/faults.md): counted as "retryable", every other failure as lost. Exit code 1
+when a request was lost or got an unexpected answer, slots leaked, memory grew 10% or more, the server
+died, or it did not recover from a kill.
 """
 from __future__ import annotations
 
@@ -105,9 +110,13 @@ def tree_memory(root: int) -> dict:
             "processes": len(per), "rss_by_process": dict(by_title)}
 
 
-def stage_actor_pids(root: int) -> list[int]:
-    # a Ray worker's title is ray::<Class>[.<method in progress>]
-    return sorted(pid for pid in process_tree(root) if title(pid).startswith("ray::StageActor"))
+# what each kill hits: a Ray worker's title is ray::<Class>[.<method in progress>], a Serve replica's
+# ray::ServeReplica:<app>:<deployment>
+KILL_TITLES = {"stage": "ray::StageActor", "coordinator": "ray::Coordinator", "replica": "ray::ServeReplica:"}
+
+
+def actor_pids(root: int, kind: str) -> list[int]:
+    return sorted(pid for pid in process_tree(root) if title(pid).startswith(KILL_TITLES[kind]))
 
 
 def ray_session_dir(root: int) -> str | None:
@@ -275,11 +284,13 @@ class Tally:
     cases: Counter = field(default_factory=Counter)        # "case status-or-outcome"
 
     def add(self, case: Case, outcome: str, status: int | None = None, error: str | None = None):
+        if error and error.endswith("/replica_unavailable"):     # its replica died: the client may retry
+            outcome, status = "retryable", None
         self.cases[f"{case.name} {status or outcome}"] += 1
         self.outcomes[outcome] += 1
         if error:
             self.errors[error] += 1
-        if outcome != "disconnected" and (status not in case.expect or (status == 200 and error)):
+        if outcome not in ("disconnected", "retryable") and (status not in case.expect or (status == 200 and error)):
             self.unexpected[f"{case.name}: {error or status or outcome}"] += 1
 
 
@@ -422,31 +433,31 @@ class Monitor:
             await asyncio.sleep(1)
 
 
-async def kill_stage(client: Client, cases: Cases, server_pid: int, replaced: set[int], rng: random.Random) -> dict:
-    """SIGKILL one stage actor (one not started by an earlier recovery, so that each kill hits another
-    stage while there are any), then wait until the coordinator restarted it and a request succeeds."""
-    pids = stage_actor_pids(server_pid)
+async def kill(client: Client, cases: Cases, kind: str, server_pid: int, replaced: set[int],
+               rng: random.Random) -> dict:
+    """SIGKILL one process of this kind (one not started by an earlier recovery, so that each stage kill
+    hits another stage while there are any); then time until a request succeeds again and until as many
+    processes of the kind run as before, each a new one where the killed one was, with a request
+    succeeding."""
+    pids = actor_pids(server_pid, kind)
     if not pids:
-        return {"error": "no ray::StageActor process found"}
+        return {"kind": kind, "error": f"no {KILL_TITLES[kind]} process found"}
     pid = min(pids, key=lambda p: (p in replaced, p))
-    _, before = await get_json(client.session, client.base + "/health")
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     probe = Tally()
     probe_client = Client(client.session, client.base, client.api_key, probe)
+    report = {"kind": kind, "pid": pid}
     while time.monotonic() - killed_at < RECOVERY_TIMEOUT:
         await asyncio.sleep(0.5)
-        try:
-            status, load = await get_json(client.session, client.base + "/health")
-        except Exception:
-            continue
-        if status == 200 and load.get("restarts", 0) > before.get("restarts", 0) \
-                and await probe_client.send(cases.completion(rng)):
-            after = stage_actor_pids(server_pid)
+        ok = await probe_client.send(cases.completion(rng))
+        if ok and "served_again_s" not in report:
+            report["served_again_s"] = round(time.monotonic() - killed_at, 1)
+        after = actor_pids(server_pid, kind)
+        if ok and len(after) == len(pids) and pid not in after:
             replaced.update(set(after) - set(pids))
-            return {"pid": pid, "recovered_s": round(time.monotonic() - killed_at, 1),
-                    "restarts": load["restarts"], "stage_pids_after": after}
-    return {"pid": pid, "error": f"not recovered within {RECOVERY_TIMEOUT:.0f} s", "probes": dict(probe.outcomes)}
+            return {**report, "recovered_s": round(time.monotonic() - killed_at, 1), "pids_after": after}
+    return {**report, "error": f"not recovered within {RECOVERY_TIMEOUT:.0f} s", "probes": dict(probe.outcomes)}
 
 
 async def soak(args, base: str, server: subprocess.Popen | None, server_pid: int | None) -> dict:
@@ -471,12 +482,12 @@ async def soak(args, base: str, server: subprocess.Popen | None, server_pid: int
             kills, replaced, started = [], set(), time.monotonic()
 
             async def killer():       # evenly spread over the main phase
-                for i in range(args.kills):
-                    await asyncio.sleep(started + main_seconds * (i + 1) / (args.kills + 1) - time.monotonic())
+                for i, kind in enumerate(args.kills):
+                    await asyncio.sleep(started + main_seconds * (i + 1) / (len(args.kills) + 1) - time.monotonic())
                     try:
-                        kills.append(await kill_stage(client, cases, server_pid, replaced, rng))
+                        kills.append(await kill(client, cases, kind, server_pid, replaced, rng))
                     except Exception as e:     # reported as a failed kill, the run goes on
-                        kills.append({"error": f"{type(e).__name__}: {e}"})
+                        kills.append({"kind": kind, "error": f"{type(e).__name__}: {e}"})
 
             killing = asyncio.ensure_future(killer()) if server_pid else None
             await traffic(client, cases, main_seconds, args.workers, rng, monitor)
@@ -514,16 +525,23 @@ async def soak(args, base: str, server: subprocess.Popen | None, server_pid: int
         return report
 
 
+LOST = ("timeout", "connection_error")
+
+
 def verdict(report: dict, kills: int) -> list[str]:
     failures = []
     if report.get("server_died"):
         failures.append(report["server_died"])
+    lost = sum(report.get("outcomes", {}).get(k, 0) for k in LOST)
+    if lost or report.get("unexpected"):
+        failures.append(f"{lost} requests lost (timeouts, connection errors), unexpected answers: "
+                        f"{report.get('unexpected')}")
     if report.get("slots_leaked") != 0 or report.get("requests_in_flight_gauge") not in (0, None):
         failures.append(f"slots leaked: {report.get('idle_load')}, in flight {report.get('requests_in_flight_gauge')}")
     if "memory" in report and report["memory"]["rss_growth"] >= RSS_LIMIT:
         failures.append(f"RSS grew {100 * report['memory']['rss_growth']:.1f}%")
     if "memory" in report and (len(report["kills"]) < kills or any("error" in k for k in report["kills"])):
-        failures.append(f"stage kills: {report['kills']}")
+        failures.append(f"kills: {report['kills']}")
     return failures
 
 
@@ -536,8 +554,7 @@ def render(report: dict) -> str:
              "  unexpected: " + (", ".join(f"{k} ×{v}" for k, v in report["unexpected"].items()) or "none"),
              "  by case:    " + ", ".join(f"{k} ×{v}" for k, v in report["cases"].items())]
     for k in report["kills"]:
-        lines.append(f"  stage kill: {k}")
-    lines.append(f"  pipeline restarts: {report['idle_load'].get('restarts')} for {len(report['kills'])} stage kills")
+        lines.append(f"  {k['kind']} kill: " + ", ".join(f"{key} {v}" for key, v in k.items() if key != "kind"))
     lines.append(f"  slots leaked: {report['slots_leaked']} (idle load {report['idle_load']}), "
                  f"requests in flight gauge {report['requests_in_flight_gauge']}")
     h = report["health"]
@@ -570,7 +587,8 @@ def start_server(args, log) -> subprocess.Popen:
     env = {**os.environ, "RAYMOE_API_KEY": args.api_key}     # not on the command line
     env.pop("RAY_ADDRESS", None)                             # a cluster of its own, stopped with it
     return subprocess.Popen(
-        [sys.executable, "-m", "deploy.serve", "--model", args.model, "--pp", str(args.pp), "--host", "127.0.0.1",
+        [sys.executable, "-m", "deploy.serve", "--model", args.model, "--pp", str(args.pp),
+         "--replicas", str(args.replicas), "--host", "127.0.0.1",
          "--port", str(args.port), "--grpc-port", "0", "--max-body-bytes", str(args.max_body_bytes)],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
@@ -613,6 +631,14 @@ def stop_server(server: subprocess.Popen, timeout: float = 60) -> int:
     return len(left)
 
 
+def kill_list(text: str) -> list[str]:
+    kinds = [] if text == "none" else text.split(",")
+    for kind in kinds:
+        if kind not in KILL_TITLES:
+            raise argparse.ArgumentTypeError(f"{kind!r} is not one of {', '.join(KILL_TITLES)}")
+    return kinds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10, help="traffic time, warm-up (a tenth) included")
@@ -625,11 +651,17 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="with --url: its key (default: RAYMOE_API_KEY); "
                                                    "a server started here gets a random one")
     p.add_argument("--workers", type=int, default=8, help="concurrent clients")
-    p.add_argument("--kills", type=int, default=2, help="stage actors to SIGKILL, spread over the run")
+    p.add_argument("--replicas", type=int, default=2, help="ingress replicas of the server started (each its "
+                                                           "own pipeline)")
+    p.add_argument("--kills", type=kill_list, default=kill_list("stage,coordinator,replica,stage"),
+                   help="what to SIGKILL, in order, spread over the run: stage, coordinator, replica (a replica "
+                        "kill needs --replicas 2 or more); 'none' for no kills")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the server's body limit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
+    if not args.url and "replica" in args.kills and args.replicas < 2:
+        p.error("a replica kill needs --replicas 2 or more (with one, the server is down until Serve restarts it)")
 
     # SIGTERM ends the run like Ctrl-C, so that the server is stopped on the way out
     def on_sigterm(signum, frame):
@@ -666,7 +698,7 @@ def main(argv=None) -> int:
             log.close()
             with open(log.name) as f:
                 report["server_log"], report["server_log_tracebacks"] = log.name, f.read().count("Traceback")
-    report["failures"] = verdict(report, args.kills if server_pid else 0)
+    report["failures"] = verdict(report, len(args.kills) if server_pid else 0)
     print(render(report))
     print("PASS" if not report["failures"] else "FAIL: " + "; ".join(report["failures"]))
     if args.json:
