@@ -25,7 +25,7 @@ from . import watchdog
 from .coordinator import MAX_RESTARTS, RESTART_WINDOW, Coordinator
 from .coordinator import QueueFullError  # noqa: F401  (part of this API)
 from .engine_args import EngineArgs
-from .pipeline import PipelineSpec, remove_group
+from .pipeline import COORDINATOR_NAMESPACE, PIPELINE_PREFIX, PipelineSpec, coordinator_name, remove_group
 
 
 _connected_here = False
@@ -161,6 +161,13 @@ def ray_errors(died: str):
         raise RaymoeError(died) from None
 
 
+def new_coordinator(spec: PipelineSpec):
+    """The pipeline's coordinator, named after it (in one namespace for every job): a pipeline whose
+    coordinator is gone is found by that (cluster/pipeline.py, remove_orphaned_groups)."""
+    return Coordinator.options(num_cpus=0, name=coordinator_name(spec.name),
+                               namespace=COORDINATOR_NAMESPACE).remote(spec)
+
+
 def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineSpec:
     """A pipeline's plan for resolved settings, before any weight is read: checked against the model, on
     the Ray cluster (joined, or started here), GPUs counted, memory planned (plan_memory)."""
@@ -203,14 +210,14 @@ class ClusterEngine:
         files = open_model(args.model, args.max_model_len)    # config and tokenizer only: fail fast on a bad model
         self.tokenizer, self.config, self.pp = files.tokenizer, files.config, args.pp
         args.configure_chat(self.tokenizer)
-        self.spec = pipeline_spec(args, files, name=f"raymoe-{uuid.uuid4().hex[:8]}")
+        self.spec = pipeline_spec(args, files, name=f"{PIPELINE_PREFIX}{uuid.uuid4().hex[:8]}")
         self.open: dict[int, OpenSequence] = {}
         self.next_seq_id = 0                    # past every sequence id a coordinator gave
         self.restarts = 0                       # coordinators replaced
         self.recent_restarts: deque[float] = deque()
         self.failed: str | None = None          # why no coordinator can be had any more
         self._recovering: asyncio.Future | None = None
-        self.coordinator = Coordinator.options(num_cpus=0).remote(self.spec)
+        self.coordinator = new_coordinator(self.spec)
         with ray_errors(COORDINATOR_DIED):
             ray.get(show_loading(self.coordinator.start.remote(), self.spec))
 
@@ -232,7 +239,7 @@ class ClusterEngine:
         # its own actor names: the dead pipeline's actors may not be gone yet
         spec = dataclasses.replace(self.spec, name=self._pipeline_name(),
                                    args=dataclasses.replace(self.spec.args, fault_injection=None))
-        return Coordinator.options(num_cpus=0).remote(spec)
+        return new_coordinator(spec)
 
     def _pipeline_name(self) -> str:
         """The name of the current coordinator's pipeline (its actors', its placement group's)."""

@@ -56,6 +56,30 @@ def group_name(pipeline: str | None) -> str:
     return f"{pipeline}-pg" if pipeline else ""
 
 
+PIPELINE_PREFIX = "raymoe-"          # a ClusterEngine's pipeline names: raymoe-<id>[-<coordinator restarts>]
+COORDINATOR_NAMESPACE = "raymoe"     # every coordinator's name lives here, whichever job (or replica) made it
+
+
+def coordinator_name(pipeline: str) -> str:
+    return f"{pipeline}-coordinator"
+
+
+def remove_orphaned_groups():
+    """Remove the placement groups of pipelines whose coordinator is dead. Ray keeps a group until both the
+    actor that made it (the coordinator) and that actor's job are gone: a Serve replica that dies takes its
+    coordinator and stages with it, but their group would hold its CPUs for as long as the server's job
+    lives, and the replica Serve starts in its place would find no room."""
+    for info in placement_group_table().values():
+        name = info.get("name") or ""
+        if not (name.startswith(PIPELINE_PREFIX) and name.endswith("-pg")) or info.get("state") == "REMOVED":
+            continue
+        pipeline = name[:-len("-pg")]
+        try:
+            ray.get_actor(coordinator_name(pipeline), namespace=COORDINATOR_NAMESPACE)
+        except ValueError:          # no live coordinator of that name
+            remove_group(pipeline)
+
+
 def remove_group(pipeline: str):
     """Remove the placement group of the pipeline named `pipeline`, if there is one. A dead coordinator's group
     can outlive it: when its node was lost, Ray even moves the bundles it had there onto the surviving nodes."""
@@ -63,6 +87,9 @@ def remove_group(pipeline: str):
         remove_placement_group(get_placement_group(group_name(pipeline)))
     except ValueError:      # no group of that name (any more)
         pass
+
+
+ORPHAN_SWEEP_S = 2.0      # while a pipeline waits for room: how often dead pipelines' groups are looked for
 
 
 class Pipeline:
@@ -94,8 +121,16 @@ class Pipeline:
     def _wait_placed(self, deadline: float):
         """Until Ray has placed every bundle (again, after a node with some of them was lost); RaymoeError at
         the deadline."""
+        ready = self.pg.ready()
         try:
-            ray.get(self.pg.ready(), timeout=max(0.0, deadline - time.monotonic()))
+            while True:
+                try:
+                    ray.get(ready, timeout=min(ORPHAN_SWEEP_S, max(0.0, deadline - time.monotonic())))
+                    return
+                except ray.exceptions.GetTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    remove_orphaned_groups()     # a dead pipeline's group may be what holds the room
         except ray.exceptions.GetTimeoutError:
             slot = "GPU" if self.args.device == "cuda" else "CPU"
             raise RaymoeError(f"the Ray cluster had no room for the pipeline's {self.pg.bundle_count} actors (a {slot} "

@@ -2,7 +2,7 @@
 SIGKILLed under load. Only its requests in flight fail, each at once with the retryable error: a 503 with code
 "replica_unavailable" (its HTTP proxy answers, deploy/replica_errors.py), a stream's error event of that code
 then [DONE], gRPC UNAVAILABLE; the other replica's requests end as they would have; new requests succeed
-within 10 s. docs/faults.md."""
+within 10 s; the replica Serve starts in its place gets a pipeline. docs/faults.md."""
 import asyncio
 import json
 import os
@@ -18,6 +18,7 @@ GREEDY = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
 PROMPT = "The import statement"
 CLIENT_TIMEOUT_S = 150          # a request that hangs fails the test
 NEW_WITHIN_S = 10
+REPLACED_WITHIN_S = 90    # the placement timeout is 120 s: a replacement that finds no room fails later
 
 
 def socket_owners(pids) -> dict[str, int]:
@@ -86,11 +87,15 @@ def test_killing_one_of_two_replicas_fails_only_its_requests_and_new_ones_succee
     from protos import raymoe_pb2 as pb
     from protos import raymoe_pb2_grpc as pb_grpc
 
-    server = ServerProcess(tmp_path / "serve.log", "--replicas", "2", "--max-running", "16")
+    # PP=2: the local cluster has CPU slots for both pipelines and one more, so a replacement pipeline finds room
+    # only once the dead one's placement group is gone
+    server = ServerProcess(tmp_path / "serve.log", "--replicas", "2", "--pp", "2", "--max-running", "16")
     try:
         server.wait_ready()
         replicas = [pid for pid in descendants(server.proc.pid) if b"ray::ServeReplica:raymoe:" in cmdline(pid)]
         assert len(replicas) == 2, replicas
+        stages = stage_actors(server)
+        assert len(stages) == 4, stages             # a pipeline (PP=2) per replica
 
         async def channel_on(replica: int | None, avoid: int | None = None):
             """A gRPC channel whose connection the kernel gave (SO_REUSEPORT) to `replica`, or to any but `avoid`."""
@@ -155,5 +160,18 @@ def test_killing_one_of_two_replicas_fails_only_its_requests_and_new_ones_succee
         assert all(s in (200, 503) for _, s in new), new
         status, health = get_json(server.base + "/health")
         assert status == 200, health
+        # Serve replaces the replica, and its pipeline finds room: the dead pipeline's placement group, which
+        # Ray keeps while the server's job lives, is removed (cluster/pipeline.py, remove_orphaned_groups)
+        def replaced(now: list[int]) -> bool:        # the survivor's stages and two new ones
+            return len(now) == 4 and len(set(now) & set(stages)) == 2
+
+        deadline = time.monotonic() + REPLACED_WITHIN_S
+        while time.monotonic() < deadline and not replaced(stage_actors(server)):
+            time.sleep(0.5)
+        assert replaced(stage_actors(server)), (stages, stage_actors(server), server.tail())
     finally:
         server.kill()
+
+
+def stage_actors(server) -> list[int]:
+    return [pid for pid in descendants(server.proc.pid) if cmdline(pid).startswith(b"ray::StageActor")]
