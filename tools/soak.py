@@ -180,7 +180,7 @@ class Cases:
         m = json.dumps(model)
         self.mix = [
             (14, self.completion), (14, self.chat), (10, self.completion_stream), (10, self.chat_stream),
-            (10, self.dropped_stream), (4, self.dropped_request),
+            (10, self.dropped_stream), (4, self.dropped_request), (8, self.next_turn),
             (2, lambda r: Case("bad_json", b'{"model": ' + m.encode() + b', "prompt": "x", ', {400})),
             (1, lambda r: Case("empty_body", b"", {400})),
             (1, lambda r: Case("invalid_utf8", b'{"model": ' + m.encode() + b', "prompt": "\xff\xfe"}', {400})),
@@ -251,6 +251,19 @@ class Cases:
             messages = [{"role": "system", "content": "Be brief."}] + messages
         body = {"model": self.model, "messages": messages, **self._sampling(r), "stream": stream}
         return Case("chat_stream" if stream else "chat", _dump(body), {200}, "/v1/chat/completions", stream=stream)
+
+    # a long system prompt (several of the prefix cache's 256-token blocks) that every next_turn shares
+    PREAMBLE = "You answer questions about Python. " + " ".join(f"Rule {i}: be brief and exact." for i in range(60))
+
+    def next_turn(self, r) -> Case:
+        """A turn of a conversation that shares its first turns with others: the prefix cache's hits."""
+        history = [{"role": "system", "content": self.PREAMBLE}]
+        for turn in range(r.randint(0, 3)):
+            history += [{"role": "user", "content": f"Question {turn}: what is a list?"},
+                        {"role": "assistant", "content": f"Answer {turn}: a mutable sequence."}]
+        body = {"model": self.model, "messages": history + [{"role": "user", "content": self._prompt(r)}],
+                **self._sampling(r)}
+        return Case("next_turn", _dump(body), {200}, "/v1/chat/completions")
 
     def completion_stream(self, r) -> Case:
         return self.completion(r, stream=True)
