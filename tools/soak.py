@@ -449,13 +449,14 @@ class Monitor:
 async def kill(client: Client, cases: Cases, kind: str, server_pid: int, replaced: set[int],
                rng: random.Random) -> dict:
     """SIGKILL one process of this kind (one not started by an earlier recovery, so that each stage kill
-    hits another stage while there are any); then time until a request succeeds again and until as many
-    processes of the kind run as before, each a new one where the killed one was, with a request
+    hits another stage while there are any); then time until a request succeeds again, and until as many
+    processes of the kind and stage actors run as before (the killed one replaced) with a request
     succeeding."""
     pids = actor_pids(server_pid, kind)
     if not pids:
         return {"kind": kind, "error": f"no {KILL_TITLES[kind]} process found"}
     pid = min(pids, key=lambda p: (p in replaced, p))
+    stages = len(actor_pids(server_pid, "stage"))     # a replica's pipeline dies with it: wait for them all too
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     probe = Tally()
@@ -467,7 +468,7 @@ async def kill(client: Client, cases: Cases, kind: str, server_pid: int, replace
         if ok and "served_again_s" not in report:
             report["served_again_s"] = round(time.monotonic() - killed_at, 1)
         after = actor_pids(server_pid, kind)
-        if ok and len(after) == len(pids) and pid not in after:
+        if ok and len(after) == len(pids) and pid not in after and len(actor_pids(server_pid, "stage")) == stages:
             replaced.update(set(after) - set(pids))
             return {**report, "recovered_s": round(time.monotonic() - killed_at, 1), "pids_after": after}
     return {**report, "error": f"not recovered within {RECOVERY_TIMEOUT:.0f} s", "probes": dict(probe.outcomes)}
