@@ -18,6 +18,7 @@ from kernels.linear import linear
 
 from .cache import DeltaNetCache, DeltaNetStack
 from .errors import ModelFormatError
+from .family import ModelConfig
 
 CHUNKED_PREFILL_MIN = 16   # chunks at least this long use the chunked delta rule
 
@@ -80,6 +81,29 @@ class DeltaNetSpec:
         if self.n_v_heads % self.n_k_heads:
             raise ModelFormatError(f"{where}: {self.n_v_heads} DeltaNet value heads do not divide into "
                                    f"{self.n_k_heads} key heads")
+
+
+@dataclass
+class DeltaNetConfig(ModelConfig):
+    """What a family with Gated DeltaNet layers between gated full-attention ones (Qwen3.5-MoE, Qwen3-Next) adds
+    to ModelConfig: the DeltaNet sizes, the rotary dimension, the shared expert, the attention interval."""
+    rope_dim: int
+    shared_ff: int
+    conv_kernel: int
+    k_head_dim: int
+    n_k_heads: int
+    n_v_heads: int
+    v_head_dim: int
+    full_attention_interval: int
+
+    POSITIVE = ModelConfig.POSITIVE + ("conv_kernel", "k_head_dim", "n_k_heads", "n_v_heads", "v_head_dim",
+                                       "full_attention_interval")
+
+    def validate(self, where: str):
+        super().validate(where)
+        DeltaNetSpec(self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim, self.conv_kernel).validate(where)
+        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ModelFormatError(f"{where}: rope dimension {self.rope_dim} invalid for head_dim {self.head_dim}")
 
 
 def tiled_from_grouped(n_k: int, r: int, d: int) -> torch.Tensor:

@@ -21,9 +21,9 @@ from kernels.rope import inv_frequencies
 
 from . import deltanet
 from .attention import AttentionSpec
-from .deltanet import DeltaNetSpec
+from .deltanet import DeltaNetConfig, DeltaNetSpec
 from .errors import ModelFormatError
-from .family import Family, ModelConfig, fields_from_gguf
+from .family import Family, fields_from_gguf
 from .gguf_file import arch_key_reader
 from .moe import MoESpec
 from .qwen3next_hf import Qwen3NextHFWeights
@@ -33,25 +33,10 @@ TOKENIZER_PRE = "qwen2"
 
 
 @dataclass
-class Qwen3NextConfig(ModelConfig):
-    rope_dim: int
-    shared_ff: int
-    conv_kernel: int
-    k_head_dim: int
-    n_k_heads: int
-    n_v_heads: int
-    v_head_dim: int
-    full_attention_interval: int
+class Qwen3NextConfig(DeltaNetConfig):
     arch: str = ARCH
 
-    POSITIVE = ModelConfig.POSITIVE + ("shared_ff", "conv_kernel", "k_head_dim", "n_k_heads", "n_v_heads",
-                                       "v_head_dim", "full_attention_interval")
-
-    def validate(self, where: str):
-        super().validate(where)
-        deltanet_spec(self).validate(where)
-        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            raise ModelFormatError(f"{where}: rope dimension {self.rope_dim} invalid for head_dim {self.head_dim}")
+    POSITIVE = DeltaNetConfig.POSITIVE + ("shared_ff",)
 
 
 def config_from_gguf(meta: dict, where: str) -> Qwen3NextConfig:
