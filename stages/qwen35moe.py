@@ -15,11 +15,11 @@ from kernels.rope import inv_frequencies
 from . import deltanet
 from .attention import AttentionSpec
 from .deltanet import DeltaNetConfig, DeltaNetSpec
-from .errors import ModelFormatError
 from .family import Family, fields_from_gguf
 from .gguf_file import arch_key_reader
 from .moe import MoESpec
 from .qwen35moe_hf import Qwen35MoeHFWeights
+from .safetensors_dir import hf_key_reader
 
 ARCH = "qwen35moe"
 TOKENIZER_PRE = "qwen35"
@@ -46,12 +46,7 @@ def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:
 def config_from_hf(hf: dict, where: str) -> Qwen35MoeConfig:
     if hf.get("model_type") == "qwen3_5_moe":
         hf = hf.get("text_config") or {}
-    def key(name, default=None):
-        value = hf.get(name, default)
-        if value is None:
-            raise ModelFormatError(f"{where}: config.json has no {name}")
-        return value
-
+    key = hf_key_reader(hf, where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))

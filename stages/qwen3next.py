@@ -27,6 +27,7 @@ from .family import Family, fields_from_gguf
 from .gguf_file import arch_key_reader
 from .moe import MoESpec
 from .qwen3next_hf import Qwen3NextHFWeights
+from .safetensors_dir import hf_key_reader
 
 ARCH = "qwen3next"
 TOKENIZER_PRE = "qwen2"
@@ -50,12 +51,7 @@ def config_from_gguf(meta: dict, where: str) -> Qwen3NextConfig:
 
 
 def config_from_hf(hf: dict, where: str) -> Qwen3NextConfig:
-    def key(name, default=None):
-        value = hf.get(name, default)
-        if value is None:
-            raise ModelFormatError(f"{where}: config.json has no {name}")
-        return value
-
+    key = hf_key_reader(hf, where)
     # transformers v5 writes `rope_parameters`; v4 (the released config.json) the values beside the rest
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":

@@ -27,6 +27,16 @@ def read_json(path: str) -> dict:
     return data
 
 
+def hf_key_reader(hf: dict, where: str):
+    """`key(name, default=None)`: the value of config.json's `name`, its default, or a ModelFormatError."""
+    def key(name, default=None):
+        value = hf.get(name, default)
+        if value is None:
+            raise ModelFormatError(f"{where}: config.json has no {name}")
+        return value
+    return key
+
+
 class SafetensorsDir:
     def __init__(self, path: str):
         from safetensors import safe_open
