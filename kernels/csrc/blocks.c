@@ -443,9 +443,11 @@ static void finish_k(block_k *c, const int *sc, int off) {
     }
 }
 
+#if ARCH >= 1
 #if ARCH == 2
 static const int16_t LANES[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+#endif
 
 /* Q4_K/Q5_K's 12 bytes of 6-bit scales and mins at s as 16 bytes: scales 0-7, mins 0-7. With
  * x0-x2 the three 32-bit words at s: scales 0-3 = x0 & 63, 4-7 = (x2 & 15) | (x0 >> 6) << 4,
@@ -474,34 +476,45 @@ static inline __m256i scales_q3_k(const uint8_t *s) {
 /* finish_k from the 16 scales sc and mins mn as int16 lanes. */
 static inline void finish_k_simd(block_k *c, __m256i sc, __m256i mn, int off) {
     c->off = off;
+#if ARCH == 2
     const __m512i lanes = _mm512_loadu_si512(LANES), s = _mm512_castsi256_si512(sc);
     for (int j = 0; j < 4; j++) {
         const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lanes, 3), _mm512_set1_epi16((short)(4 * j)));
         _mm512_store_si512(c->scx + 32 * j, _mm512_permutexvar_epi16(idx, s));
     }
-    _mm256_store_si256((__m256i *)c->offsc, _mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-off)));
-    _mm256_store_si256((__m256i *)c->mn, mn);
+#else /* AVX2 has no 16-bit permute: each scale broadcast to its 8 lanes */
+    int16_t each[16];
+    _mm256_storeu_si256((__m256i *)each, sc);
+    for (int j = 0; j < 16; j++) _mm_storeu_si128((__m128i *)(c->scx + 8 * j), _mm_set1_epi16(each[j]));
+#endif
+    _mm256_storeu_si256((__m256i *)c->offsc, _mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-off)));
+    _mm256_storeu_si256((__m256i *)c->mn, mn);
 }
 
 /* u = the two bits of each byte of q at shift, plus 4 h (Q3_K) or the high nibble (Q6_K) */
 static inline __m256i bits(__m256i q, int shift, __m256i mask) { return _mm256_and_si256(_mm256_srli_epi16(q, shift), mask); }
 
-/* The main K-quants with AVX-512; 0 where the type has no such path. */
+/* The main K-quants with AVX2 (and AVX-512's scale permutes); 0 where the type has no such path. */
 static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     switch (t) {
     case Q4_K: {
         for (int j = 0; j < 4; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
-            _mm256_store_si256((__m256i *)(c->u + 64 * j), _mm256_and_si256(q, m4));
-            _mm256_store_si256((__m256i *)(c->u + 64 * j + 32), bits(q, 4, m4));
+            _mm256_storeu_si256((__m256i *)(c->u + 64 * j), _mm256_and_si256(q, m4));
+            _mm256_storeu_si256((__m256i *)(c->u + 64 * j + 32), bits(q, 4, m4));
         }
-        const __m256i v = _mm256_cvtepu8_epi16(scale_min_bytes_k(b + 4));
-        const __m256i half = _mm256_srli_epi16(_mm512_castsi512_si256(_mm512_loadu_si512(LANES)), 1);
         c->dw = f16(rd16(b));
         c->dm = f16(rd16(b + 2));
+#if ARCH == 2
+        const __m256i v = _mm256_cvtepu8_epi16(scale_min_bytes_k(b + 4));
+        const __m256i half = _mm256_srli_epi16(_mm512_castsi512_si256(_mm512_loadu_si512(LANES)), 1);
         finish_k_simd(c, _mm256_permutexvar_epi16(half, v),
                       _mm256_permutexvar_epi16(_mm256_add_epi16(half, _mm256_set1_epi16(8)), v), 0);
+#else /* each of the 8 scales and mins covers two 16s */
+        const __m128i v = scale_min_bytes_k(b + 4);
+        finish_k_simd(c, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v)), 0);
+#endif
         return 1;
     }
     case Q6_K:
@@ -510,10 +523,10 @@ static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             const __m256i hq = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
             uint8_t *u = c->u + 128 * h;
-            _mm256_store_si256((__m256i *)u, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(bits(hq, 0, m2), 4)));
-            _mm256_store_si256((__m256i *)(u + 32), _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(bits(hq, 2, m2), 4)));
-            _mm256_store_si256((__m256i *)(u + 64), _mm256_or_si256(bits(l0, 4, m4), _mm256_slli_epi16(bits(hq, 4, m2), 4)));
-            _mm256_store_si256((__m256i *)(u + 96), _mm256_or_si256(bits(l1, 4, m4), _mm256_slli_epi16(bits(hq, 6, m2), 4)));
+            _mm256_storeu_si256((__m256i *)u, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(bits(hq, 0, m2), 4)));
+            _mm256_storeu_si256((__m256i *)(u + 32), _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(bits(hq, 2, m2), 4)));
+            _mm256_storeu_si256((__m256i *)(u + 64), _mm256_or_si256(bits(l0, 4, m4), _mm256_slli_epi16(bits(hq, 4, m2), 4)));
+            _mm256_storeu_si256((__m256i *)(u + 96), _mm256_or_si256(bits(l1, 4, m4), _mm256_slli_epi16(bits(hq, 6, m2), 4)));
         }
         c->dw = f16(rd16(b + 208));
         c->dm = 0.0f;
@@ -524,7 +537,7 @@ static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
             for (int j = 0; j < 4; j++)
-                _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * j),
+                _mm256_storeu_si256((__m256i *)(c->u + 128 * h + 32 * j),
                                    _mm256_or_si256(bits(q, 2 * j, m2), _mm256_slli_epi16(bits(hm, 4 * h + j, m1), 2)));
         }
         const __m256i sc = scales_q3_k(b + 96);
@@ -540,7 +553,7 @@ static inline int unpack_block_k_simd(int t, const uint8_t *b, block_k *c) {
 
 static void unpack_block_k(int t, const uint8_t *b, block_k *c) {
     int sc[16];
-#if ARCH == 2
+#if ARCH >= 1
     if (unpack_block_k_simd(t, b, c)) return;
 #endif
     switch (t) {
