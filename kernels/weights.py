@@ -116,8 +116,10 @@ class BlockWeight:
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.raw, [(0, 0, x.shape[0])], out)
 
-    def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.raw, groups, out)
+    def grouped(self, x: torch.Tensor, groups, out: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
+        """second (CPU, with the compiled library): a weight of this format whose rows follow this one's in
+        out's columns, in the same call (ConcatWeight's gate and up)."""
+        return self._product(x, self.raw, groups, out, None if second is None else second.raw)
 
     def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
         return ops.block_linear(x, self.raw, raw2, self.type, self.k, self.quantize_activations)
@@ -227,7 +229,7 @@ class ConcatWeight:
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         if self._one_call():
             first, second = self.parts
-            return first._product(x, first.raw, groups, out, second.raw)
+            return first.grouped(x, groups, out, second)
         for part, columns in self._columns(out):
             part.grouped(x, groups, columns)
         return out
