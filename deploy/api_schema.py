@@ -315,43 +315,39 @@ class OutputItemEvent(_Event):
     item: OutputItem
 
 
-class ContentPartEvent(_Event):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class _ItemEvent(_Event):
     item_id: str
     output_index: int
+
+
+class _ContentEvent(_ItemEvent):
     content_index: int
+
+
+class ContentPartEvent(_ContentEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     part: OutputText | ReasoningText
 
 
-class TextDeltaEvent(_Event):
+class TextDeltaEvent(_ContentEvent):
     type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
-    item_id: str
-    output_index: int
-    content_index: int
     delta: str
     logprobs: list = Field(None, description="output_text only")
 
 
-class TextDoneEvent(_Event):
+class TextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done", "response.reasoning_text.done"]
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     logprobs: list = Field(None, description="output_text only")
 
 
-class ArgumentsDeltaEvent(_Event):
+class ArgumentsDeltaEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.delta"]
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(_Event):
+class ArgumentsDoneEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.done"]
-    item_id: str
-    output_index: int
     name: str
     arguments: str
 
