@@ -80,7 +80,7 @@ def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
     bundles' `memory`, the stages' cache budget and, in spec.args.max_running, how many sequences may run
     at once (see stages/memory.py), and in spec.args.prefix_cache_gb the prefix cache's size (without the flag:
-    PREFIX_SHARE of what the plan leaves free). Memory for the running sequences' full-context caches is reserved;
+    PREFIX_SHARE of what the weights leave free, or with --max-running of what its sequences leave). Memory for the running sequences' full-context caches is reserved;
     without --max-running, when fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING
     sequences still run as long as their own bounds (prompt + max_tokens) fit the same reservation
     (admission by memory). GPU stages hold weights and caches on the device (Ray does not know its memory:
@@ -98,15 +98,24 @@ def plan_memory(files, spec: PipelineSpec):
         for need, share in zip(needs, prefix_shares(files, spec.ranges(), args.step_chunk, int(gb * GiB))):
             need.prefix_bytes = share
 
-    if args.prefix_cache_gb is not None:        # asked for: it must fit beside the running sequences' caches
-        reserve_prefix(args.prefix_cache_gb)
-    wanted = args.max_running
-    running = fit_running(needs, nodes, wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
-    prefix = args.prefix_cache_gb
-    if prefix is None:      # a share of what the plan leaves free, on the whole and on the largest node
+    def free_beside(running: int) -> int:       # on the whole and on the largest node
         totals = [need.total(running) for need in needs]
-        free = min(sum(nodes) - sum(totals), max(nodes) - max(totals))
-        prefix = max(0, int(PREFIX_SHARE * free)) / GiB
+        return min(sum(nodes) - sum(totals), max(nodes) - max(totals))
+
+    wanted, prefix = args.max_running, args.prefix_cache_gb
+    if prefix is None and wanted is None:
+        # the prefix cache's share comes before the running sequences': where the weights take most of the
+        # memory, their full contexts would otherwise leave it next to nothing (a 15 GB model on 24 GB: 5 MB)
+        prefix = PREFIX_SHARE * max(0, free_beside(0)) / GiB
+        reserve_prefix(prefix)
+        if free_beside(1) < 0:         # not even one full context beside it: the cache gives way
+            prefix = 0.0
+            reserve_prefix(prefix)
+    elif prefix is not None:        # asked for: it must fit beside the running sequences' caches
+        reserve_prefix(prefix)
+    running = fit_running(needs, nodes, wanted or DEFAULT_MAX_RUNNING, explicit=wanted is not None)
+    if prefix is None:      # with --max-running: a share of what the running sequences leave free
+        prefix = max(0, int(PREFIX_SHARE * free_beside(running))) / GiB
         reserve_prefix(prefix)
     spec.stage_memory = [need.total(running) for need in needs]
     spec.cache_budget = [running * need.cache_bytes_per_sequence for need in needs]

@@ -240,6 +240,21 @@ def test_plan_memory_reserves_the_prefix_cache(monkeypatch):
     with pytest.raises(RaymoeError, match="does not fit"):     # asked for: it must fit
         plan_memory(model, spec)
 
+    # without --max-running: a share of what the weights leave free, taken before the running sequences'
+    # full contexts take the rest (else a model that fills the machine gets next to no cache)
+    context = sum(n.cache_bytes_per_sequence for n in needs)
+    for contexts, cached in ((10, True), (1.05, False)):       # with room for one context only, the cache gives way
+        free = int(contexts * context)
+        node = sum(n.total(0) for n in needs) + free
+        monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"memory": node}}])
+        spec = PipelineSpec(EngineArgs(model.path, pp=2), model.n_layers, model.config.n_expert)
+        plan_memory(model, spec)
+        budget = int(spec.args.prefix_cache_gb * GiB)
+        assert budget == (int(PREFIX_SHARE * free) if cached else 0)
+        held = sum(prefix_shares(model, ranges, 256, budget))
+        running = spec.cache_budget[0] // needs[0].cache_bytes_per_sequence
+        assert running == (free - held) // context >= 1
+
 
 # ---- on the cluster ----------------------------------------------------------------------------------
 
