@@ -9,6 +9,7 @@ KEY`), anything else INTERNAL. A client that cancels a stream frees its sequence
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from time import perf_counter
 
@@ -18,6 +19,7 @@ from deploy.openai_api import APIError, TextDeltas, check_text_size, usage
 from stages.errors import RequestError
 from stages.reasoning import CONTENT, REASONING, SplitText, output_parser, split_answer
 from stages.requests import check_prompt, prompt_ids
+from stages.structured import MAX_SCHEMA_BYTES, check_grammar, output_grammar
 
 from protos import raymoe_pb2 as pb
 
@@ -62,7 +64,31 @@ def engine_request(request: pb.GenerateRequest, serving) -> dict:
         out["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
         out["logit_bias"] = dict(sorted(request.logit_bias.items()))      # a map has no order: errors name the lowest
+    form = request.WhichOneof("format")
+    if form is not None:
+        out["grammar"] = _grammar(form, getattr(request, form), serving.tokenizer, ids, chat=which == "messages")
     return out
+
+
+def _grammar(form: str, text: str, tokenizer, ids: list[int], chat: bool) -> str:
+    """The grammar the engine keeps the output to (as the HTTP API builds it from response_format), or a
+    400 naming the field."""
+    try:
+        if form == "grammar":
+            check_grammar(text, tokenizer)
+            return text
+        if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
+            raise RequestError(f"json_schema is larger than {MAX_SCHEMA_BYTES} bytes")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise RequestError(f"json_schema is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise RequestError("json_schema must be a JSON schema (an object)")
+        return output_grammar(tokenizer, ids, schema, None, chat=chat)
+    except RequestError as e:
+        message = str(e).replace("response_format", "json_schema", 1)
+        raise APIError(400, message, param=form) from None
 
 
 def logprobs_pb(entries) -> list:

@@ -1,15 +1,20 @@
 """The gRPC service of protos/ through Ray Serve's gRPC proxy, beside HTTP, on a real
 `python -m deploy.serve` process: gRPC results and streamed tokens equal the HTTP API's, errors map
-to gRPC status codes, a cancelled stream frees its sequence, and SIGINT stops everything."""
+to gRPC status codes, structured outputs equal HTTP's response_format, a cancelled stream frees its
+sequence, and SIGINT stops everything."""
+import json
 import signal
 
 import grpc
+import jsonschema
 import openai
 import pytest
 
 from protos import raymoe_pb2 as pb
 from protos import raymoe_pb2_grpc as pb_grpc
 from serve_util import ServerProcess, descendants, still_running, wait_idle
+from stages.loader import open_model
+from test_structured import ASK, SCHEMAS, reasoning_end_bias, response_format
 
 pytestmark = pytest.mark.cluster
 
@@ -129,6 +134,35 @@ def test_grpc_errors(stub):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("min_p")
     code, _ = code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(model="nope", prompt="x"))))
     assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_structured_outputs(stub, http):
+    """json_schema is HTTP's response_format (a chat's reasoning free, then the JSON): the same answer, which
+    validates; grammar keeps the output to a Lark grammar; bad ones are INVALID_ARGUMENT naming the field."""
+    bias = {int(t): b for t, b in reasoning_end_bias(open_model(MODEL).tokenizer).items()}
+    case = dict(messages=ASK, max_tokens=160, temperature=1.0, seed=5, logit_bias=bias)
+    want = http.chat.completions.create(model=MODEL, messages=ASK, max_tokens=160, temperature=1.0, seed=5,
+                                        logit_bias={str(t): b for t, b in bias.items()},
+                                        response_format=response_format("order")).choices[0]
+    r = stub.Generate(grpc_request({**case, "json_schema": json.dumps(SCHEMAS["order"])}))
+    assert r.text == want.message.content and r.finish_reason == want.finish_reason == "stop"
+    assert r.reasoning_content == want.message.model_extra["reasoning_content"]
+    jsonschema.validate(json.loads(r.text), SCHEMAS["order"])
+    streamed = list(stub.GenerateStream(grpc_request({**case, "json_schema": json.dumps(SCHEMAS["order"])})))
+    assert "".join(m.text for m in streamed) == r.text
+
+    for seed in range(3):
+        r = stub.Generate(pb.GenerateRequest(prompt="Yes or no?", grammar='start: "yes" | "no"', temperature=1.0,
+                                             seed=seed, max_tokens=20))
+        assert r.text in ("yes", "no") and r.finish_reason == "stop"
+    for bad, field, words in ((dict(json_schema="{"), "json_schema", "not JSON"),
+                              (dict(json_schema="[1]"), "json_schema", "an object"),
+                              (dict(json_schema='{"type": "foo"}'), "json_schema", "foo"),
+                              (dict(grammar="start: ("), "grammar", "grammar")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(prompt="x", **bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(field) and words in info.value.details(), info.value.details()
 
 
 def test_cancelled_calls_free_their_sequences(server, stub):
