@@ -40,14 +40,22 @@ def share_of_cores(cores: int, stages_here: int, computing: int, work_bytes: int
     return max(1, cores // max(1, min(stages_here, computing)))
 
 
-def process_env(threads: int | None, dtype: str) -> dict[str, str]:
+# OpenMP workers' spin before they sleep (libgomp's GOMP_SPINCOUNT) in a stage that shares its node with
+# other stages of its pipeline. libgomp's default (300,000 spins, milliseconds) keeps a stage's workers
+# spinning after its step, on the cores the next stage then computes with.
+SHARED_NODE_SPINCOUNT = "10000"
+
+
+def process_env(threads: int | None, dtype: str, shares_node: bool = False) -> dict[str, str]:
     """Environment variables for an actor that computes with `threads` torch threads (None: its
-    node's share, see share_of_cores) in `dtype` mode; they only take effect when set before the
-    process loads torch."""
+    node's share, see share_of_cores) in `dtype` mode, `shares_node` with other stages of its
+    pipeline; they only take effect when set before the process loads torch."""
     env = {"OPENBLAS_NUM_THREADS": str(threads)} if threads else {}
     if dtype != "int8" and blas_has_own_threads():
         # torch's OpenMP workers sleep between ops rather than spin on the cores BLAS needs
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif shares_node:
+        env["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", SHARED_NODE_SPINCOUNT)
     return env
 
 
