@@ -82,3 +82,17 @@ def test_large_pointwise_ops_do_not_depend_on_the_thread_count(op, threads):
     for n in THREADS:
         torch.set_num_threads(n)
         assert torch.equal(op(x), reference), n
+
+
+def test_worker_environment(monkeypatch):
+    """A stage sharing its node with others of its pipeline spins briefly (a value the user set wins); one alone
+    keeps libgomp's default; with BLAS's own threads, torch's workers sleep at once."""
+    from kernels import threads
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(threads, "blas_has_own_threads", lambda: False)
+    assert threads.process_env(None, "auto", shares_node=True) == {"GOMP_SPINCOUNT": threads.SHARED_NODE_SPINCOUNT}
+    assert threads.process_env(2, "auto") == {"OPENBLAS_NUM_THREADS": "2"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert threads.process_env(None, "float32", shares_node=True)["GOMP_SPINCOUNT"] == "500"
+    monkeypatch.setattr(threads, "blas_has_own_threads", lambda: True)
+    assert threads.process_env(None, "float32", shares_node=True) == {"OMP_WAIT_POLICY": "PASSIVE"}
