@@ -456,7 +456,7 @@ def test_thread_count_does_not_change_results(t):
 
 
 @pytest.mark.parametrize("t", DETERMINISM_TYPES, ids=lambda t: t.name)
-def test_a_row_does_not_depend_on_the_others_in_its_group(t):
+def test_a_row_does_not_depend_on_the_others_in_its_group(variant, t):
     for k in ((512, 544) if block_elems(t) == 32 else (512,)):   # 544: an odd number of 32-blocks (a tail)
         _row_alone_equals_row_in_group(t, k)
 

@@ -91,6 +91,10 @@ static int block_bytes(int t) {
 
 static int is_k_quant(int t) { return block_elems(t) == QK; }
 static int is_float(int t) { return block_elems(t) == 1; }
+#if ARCH >= 1
+static int has_offset_k(int t) { return t == Q3_K || t == Q6_K; }
+static int has_min_k(int t) { return t == Q2_K || t == Q4_K || t == Q5_K; }
+#endif
 
 /* ---- scalars ------------------------------------------------------------------------------ */
 
@@ -979,8 +983,6 @@ INLINE void unpack_kr(int t, const uint8_t *b, block_kr *c) {
     }
 }
 
-static int has_offset_k(int t) { return t == Q3_K || t == Q6_K; }
-static int has_min_k(int t) { return t == Q2_K || t == Q4_K || t == Q5_K; }
 
 /* y[i * ldy] = x[row + i] . w for i < nr: per super-block, maddubs pairs u * q into int16 and
  * dpwssd scales them per 16 into int32 (from the offset's term -off sc bsum); the mins mn bsum
@@ -1152,6 +1154,156 @@ static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t
     return hsum8(acc);
 }
 
+/* ---- AVX2 fast mode for K-quants: a super-block unpacked in registers, 32 elements at a time, and
+ * dotted with up to four activation rows at once (the weight row read once per four). Each int32
+ * lane sums the same integers, and each float operation is the same, as unpack_row_k then dot_k:
+ * the same bits, without the round trip of the unpacked row through memory (measured: unpack_row_k
+ * 48% and dot_k 22% of a full-size Qwen3.5 decode on a 2-core AVX2 EPYC). */
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Byte indices that broadcast sub-block 2c's scale to the low 8 int16 lanes of chunk c (elements
+ * 32c..32c+31) and sub-block 2c + 1's to the high 8, after sign extension. */
+static const uint8_t CHUNK_SCALE[8][16] = {
+#define CHUNK(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, \
+                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
+    CHUNK(0), CHUNK(1), CHUNK(2), CHUNK(3), CHUNK(4), CHUNK(5), CHUNK(6), CHUNK(7)
+#undef CHUNK
+};
+
+/* A super-block's per-16 scales (as int8 bytes), their offset term -off sc and mins (int16). */
+typedef struct {
+    __m128i sc;
+    __m256i offsc, mn;
+    float dw, dm;
+} scales_k;
+
+INLINE scales_k scales_for(int t, const uint8_t *b) {
+    scales_k s;
+    s.dm = 0.0f;
+    s.mn = s.offsc = _mm256_setzero_si256();
+    switch (t) {
+    case Q4_K: case Q5_K: { /* each of the 8 scales and mins covers two 16s */
+        const __m128i v = scale_min_bytes_k(b + 4);
+        s.sc = _mm_unpacklo_epi8(v, v);
+        s.mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+        s.dw = f16(rd16(b));
+        s.dm = f16(rd16(b + 2));
+        break;
+    }
+    case Q6_K:
+        s.sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        s.offsc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(s.sc), _mm256_set1_epi16(-32));
+        s.dw = f16(rd16(b + 208));
+        break;
+    case Q3_K:
+        s.sc = _mm_packs_epi16(_mm256_castsi256_si128(scales_q3_k(b + 96)), _mm256_extracti128_si256(scales_q3_k(b + 96), 1));
+        s.offsc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(s.sc), _mm256_set1_epi16(-4));
+        s.dw = f16(rd16(b + 108));
+        break;
+    default: { /* Q2_K: scale in the low nibble, min in the high */
+        const __m128i v = _mm_loadu_si128((const __m128i *)b);
+        s.sc = _mm_and_si128(v, _mm_set1_epi8(15));
+        s.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+        s.dw = f16(rd16(b + 80));
+        s.dm = f16(rd16(b + 82));
+    }
+    }
+    return s;
+}
+
+/* u of chunk 4h + j of super-block b (unpack_block_k's bytes 128h + 32j ..). */
+INLINE __m256i chunk_k(int t, const uint8_t *b, int h, int j) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    switch (t) {
+    case Q4_K: case Q5_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == Q4_K ? 16 : 48) + 64 * h + 32 * (j / 2)));
+        const __m256i u = j % 2 ? bits(q, 4, m4) : _mm256_and_si256(q, m4);
+        if (t == Q4_K) return u;
+        return _mm256_or_si256(u, _mm256_slli_epi16(bits(_mm256_loadu_si256((const __m256i *)(b + 16)), 4 * h + j, m1), 4));
+    }
+    case Q6_K: {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j % 2)));
+        const __m256i hq = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        return _mm256_or_si256(j < 2 ? _mm256_and_si256(l, m4) : bits(l, 4, m4), _mm256_slli_epi16(bits(hq, 2 * j, m2), 4));
+    }
+    case Q3_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+        return _mm256_or_si256(bits(q, 2 * j, m2), _mm256_slli_epi16(bits(_mm256_loadu_si256((const __m256i *)b), 4 * h + j, m1), 2));
+    }
+    default: /* Q2_K */
+        return bits(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h)), 2 * j, m2);
+    }
+}
+
+/* y[i * ldy] = x[row + i] . w for i < nr (dot_k's operations per row). */
+INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
+                   int64_t ldy) {
+    const int bb = block_bytes(t);
+    __m256 acc[4];
+    const int8_t *qr[4];
+    const int16_t *bsr[4];
+    const float *dr[4];
+    for (int i = 0; i < nr; i++) {
+        acc[i] = _mm256_setzero_ps();
+        qr[i] = xq->q + (row + i) * xq->kq;
+        bsr[i] = xq->bsum + (row + i) * (k / 16);
+        dr[i] = xq->d + (row + i) * xq->nb;
+    }
+    const uint8_t *ahead = w + PREFETCH_BYTES;
+    for (int64_t b = 0; b < k / QK; b++) {
+        const uint8_t *blk = w + b * bb;
+        ahead = prefetch_ahead(ahead, blk + bb);
+        const scales_k s = scales_for(t, blk);
+        __m256i sum[4];
+        for (int i = 0; i < nr; i++) sum[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j += 2) {
+                const int c = 4 * h + j;
+                const __m256i u0 = chunk_k(t, blk, h, j), u1 = chunk_k(t, blk, h, j + 1);
+                const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s.sc, _mm_loadu_si128((const __m128i *)CHUNK_SCALE[c])));
+                const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s.sc, _mm_loadu_si128((const __m128i *)CHUNK_SCALE[c + 1])));
+                for (int i = 0; i < nr; i++) {
+                    const int8_t *q = qr[i] + QK * b + 32 * c;
+                    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)q)), sc0);
+                    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(q + 32))), sc1);
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(p0, p1));
+                }
+            }
+        for (int i = 0; i < nr; i++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsr[i] + 16 * b));
+            if (has_offset_k(t)) sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(bs, s.offsc));
+            const float dx = dr[i][b];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_set1_ps(s.dw * dx), acc[i]);
+            if (has_min_k(t))
+                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, s.mn)), _mm256_set1_ps(s.dm * dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < nr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* One function per type (a constant inside): activation rows a..b times weight row w, into y[i * ldy]. */
+typedef void (*rows_k_fn)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
+                          int64_t ldy);
+#define ROWS_K(T) static void rows_k_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
+                                         float *y, int64_t ldy) { \
+    int64_t i = a; \
+    for (; i + 4 <= b; i += 4) rows_k(T, 4, w, k, xq, i, y + i * ldy, ldy); \
+    if (b - i == 3) rows_k(T, 3, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 2) rows_k(T, 2, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 1) rows_k(T, 1, w, k, xq, i, y + i * ldy, ldy); }
+ROWS_K(Q2_K) ROWS_K(Q3_K) ROWS_K(Q4_K) ROWS_K(Q5_K) ROWS_K(Q6_K)
+
+static rows_k_fn rows_k_kernel(int t) {
+    switch (t) {
+    case Q2_K: return rows_k_Q2_K;
+    case Q3_K: return rows_k_Q3_K;
+    case Q4_K: return rows_k_Q4_K;
+    case Q5_K: return rows_k_Q5_K;
+    default: return rows_k_Q6_K;
+    }
+}
+
 #else
 
 static float dot_f32(const float *x, const float *w, int64_t k) {
@@ -1290,6 +1442,9 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
 #if ARCH == 2
     const group_index ix = group_index_for(mode == 1 ? t : Q8_0);
     const int buffered = mode == 0; /* the fast modes unpack in registers */
+#elif ARCH == 1
+    const int buffered = mode != 2; /* the K-quants unpack in registers */
+    const rows_k_fn rows_k_t = mode == 2 ? rows_k_kernel(t) : NULL;
 #else
     const int buffered = 1;
 #endif
@@ -1327,6 +1482,12 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
                     rows_fast(t, weight_row(&wr, group[0], r), end - r, row_bytes, k, &xq, group[1], group[2], y + r,
                               ldy, &ix);
                 }
+                continue;
+            }
+#elif ARCH == 1
+            if (mode == 2) {
+                for (int64_t r = r0; r < r1; r++)
+                    rows_k_t(weight_row(&wr, group[0], r), k, &xq, group[1], group[2], y + r, ldy);
                 continue;
             }
 #endif
