@@ -369,6 +369,8 @@ class ClusterEngine:
                         finished = "finished" in update
                         yield update
                     else:
+                        if not finished:    # never silently: a reader would take a cut stream for a whole one
+                            raise RaymoeError(f"the stream of sequence {seq_id} ended without its result")
                         return
                 except ray.exceptions.RayTaskError as e:
                     raise unwrap(e) from None

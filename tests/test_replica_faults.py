@@ -94,7 +94,7 @@ def test_killing_one_of_two_replicas_fails_only_its_requests_and_new_ones_succee
         server.wait_ready()
         replicas = [pid for pid in descendants(server.proc.pid) if b"ray::ServeReplica:raymoe:" in cmdline(pid)]
         assert len(replicas) == 2, replicas
-        stages = stage_actors(server)
+        stages = stage_actors(server, expected=4)
         assert len(stages) == 4, stages             # a pipeline (PP=2) per replica
 
         async def channel_on(replica: int | None, avoid: int | None = None):
@@ -173,5 +173,12 @@ def test_killing_one_of_two_replicas_fails_only_its_requests_and_new_ones_succee
         server.kill()
 
 
-def stage_actors(server) -> list[int]:
-    return [pid for pid in descendants(server.proc.pid) if cmdline(pid).startswith(b"ray::StageActor")]
+def stage_actors(server, expected: int | None = None, timeout: float = 30) -> list[int]:
+    """The stage actors' pids; with `expected`, waited for (up to timeout): a worker process takes its actor's
+    name only once the actor is created in it, which can come just after the server answers /health."""
+    deadline = time.time() + timeout
+    while True:
+        pids = [pid for pid in descendants(server.proc.pid) if cmdline(pid).startswith(b"ray::StageActor")]
+        if expected is None or len(pids) >= expected or time.time() > deadline:
+            return pids
+        time.sleep(0.5)
