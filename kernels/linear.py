@@ -30,7 +30,7 @@ def slot_linear(x: torch.Tensor, weights, ids: torch.Tensor, bias: torch.Tensor 
     """Row t*k+j: x[t] through weights[ids[t, j]] (and its bias), for x [T, K] and ids [T, k] left a tensor
     (no plan on the host in a traced step) -> [T*k, N]."""
     out = as_weight(weights).slot_product(x, ids)
-    return out if bias is None else out.add_(bias[ids.reshape(-1)])
+    return out if bias is None else out.add_(bias.index_select(0, ids.reshape(-1)))
 
 
 def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:
