@@ -1282,8 +1282,55 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
     for (int i = 0; i < nr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
+/* The same for Q8_0, MXFP4 and Q4_0's 32-blocks: each block's signed weights u - off (as unpack_row_a
+ * then dot_a take them) made in a register and dotted with up to four rows (dot_a's operations per row). */
+static int fused_a(int t) { return t == Q8_0 || t == MXFP4 || t == Q4_0; }
+
+INLINE __m256i signed_block_a(int t, const uint8_t *p, float *dw) {
+    if (t == Q8_0) {
+        *dw = f16(rd16(p));
+        return _mm256_loadu_si256((const __m256i *)(p + 2));
+    }
+    const __m128i m4 = _mm_set1_epi8(15), q = _mm_loadu_si128((const __m128i *)(p + (t == MXFP4 ? 1 : 2)));
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    if (t == MXFP4) {
+        *dw = e8m0_half(p[0]);
+        const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                                0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        return _mm256_shuffle_epi8(values, nibbles);
+    }
+    *dw = f16(rd16(p));
+    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+}
+
+INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
+                   int64_t ldy) {
+    const int bb = block_bytes(t);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    const int8_t *qr[4];
+    const float *dr[4];
+    for (int i = 0; i < nr; i++) {
+        acc[i] = _mm256_setzero_ps();
+        qr[i] = xq->q + (row + i) * xq->kq;
+        dr[i] = xq->d + (row + i) * xq->nb;
+    }
+    const uint8_t *ahead = w + PREFETCH_BYTES;
+    for (int64_t b = 0; b < k / 32; b++) {
+        ahead = prefetch_ahead(ahead, w + (b + 1) * bb);
+        float dw;
+        const __m256i ws = signed_block_a(t, w + b * bb, &dw), wabs = _mm256_abs_epi8(ws);
+        for (int i = 0; i < nr; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(qr[i] + 32 * b));
+            const __m256i p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, ws));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(dw * dr[i][b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < nr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
 /* One function per type (a constant inside): activation rows a..b times weight row w, into y[i * ldy]. */
-typedef void (*rows_k_fn)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
+typedef void (*rows_fn_avx2)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
                           int64_t ldy);
 #define ROWS_K(T) static void rows_k_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
                                          float *y, int64_t ldy) { \
@@ -1293,9 +1340,21 @@ typedef void (*rows_k_fn)(const uint8_t *w, int64_t k, const quantized_x *xq, in
     else if (b - i == 2) rows_k(T, 2, w, k, xq, i, y + i * ldy, ldy); \
     else if (b - i == 1) rows_k(T, 1, w, k, xq, i, y + i * ldy, ldy); }
 ROWS_K(Q2_K) ROWS_K(Q3_K) ROWS_K(Q4_K) ROWS_K(Q5_K) ROWS_K(Q6_K)
+#define ROWS_A(T) static void rows_a_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
+                                         float *y, int64_t ldy) { \
+    int64_t i = a; \
+    for (; i + 4 <= b; i += 4) rows_a(T, 4, w, k, xq, i, y + i * ldy, ldy); \
+    if (b - i == 3) rows_a(T, 3, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 2) rows_a(T, 2, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 1) rows_a(T, 1, w, k, xq, i, y + i * ldy, ldy); }
+ROWS_A(Q8_0) ROWS_A(MXFP4) ROWS_A(Q4_0)
 
-static rows_k_fn rows_k_kernel(int t) {
+/* The fused kernel for type t (a K-quant, or fused_a's), activation rows a..b times one weight row. */
+static rows_fn_avx2 rows_kernel(int t) {
     switch (t) {
+    case Q8_0: return rows_a_Q8_0;
+    case MXFP4: return rows_a_MXFP4;
+    case Q4_0: return rows_a_Q4_0;
     case Q2_K: return rows_k_Q2_K;
     case Q3_K: return rows_k_Q3_K;
     case Q4_K: return rows_k_Q4_K;
@@ -1443,8 +1502,8 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
     const group_index ix = group_index_for(mode == 1 ? t : Q8_0);
     const int buffered = mode == 0; /* the fast modes unpack in registers */
 #elif ARCH == 1
-    const int buffered = mode != 2; /* the K-quants unpack in registers */
-    const rows_k_fn rows_k_t = mode == 2 ? rows_k_kernel(t) : NULL;
+    const int fused = mode == 2 || (mode == 1 && fused_a(t)), buffered = !fused; /* fused: unpacked in registers */
+    const rows_fn_avx2 rows_t = fused ? rows_kernel(t) : NULL;
 #else
     const int buffered = 1;
 #endif
@@ -1485,9 +1544,9 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
                 continue;
             }
 #elif ARCH == 1
-            if (mode == 2) {
+            if (fused) {
                 for (int64_t r = r0; r < r1; r++)
-                    rows_k_t(weight_row(&wr, group[0], r), k, &xq, group[1], group[2], y + r, ldy);
+                    rows_t(weight_row(&wr, group[0], r), k, &xq, group[1], group[2], y + r, ldy);
                 continue;
             }
 #endif
