@@ -85,10 +85,9 @@ def _grammar(form: str, text: str, tokenizer, ids: list[int], chat: bool) -> str
             raise RequestError(f"json_schema is not JSON: {e}") from None
         if not isinstance(schema, dict):
             raise RequestError("json_schema must be a JSON schema (an object)")
-        return output_grammar(tokenizer, ids, schema, None, chat=chat)
+        return output_grammar(tokenizer, ids, schema, None, chat=chat, schema_field="json_schema")
     except RequestError as e:
-        message = str(e).replace("response_format", "json_schema", 1)
-        raise APIError(400, message, param=form) from None
+        raise APIError(400, str(e), param=form) from None
 
 
 def logprobs_pb(entries) -> list:

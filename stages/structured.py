@@ -200,18 +200,19 @@ def _harmony_calls(w: _Writer, tools: ToolRequest, names: list[str]) -> list[str
 
 
 def output_grammar(tokenizer, prompt_ids: list[int], schema: dict | None, tools: ToolRequest | None,
-                   chat: bool = True) -> str | None:
+                   chat: bool = True, schema_field: str = "response_format") -> str | None:
     """The grammar of the output to `prompt_ids`: its answer the JSON that `schema` describes, or a call
     that tool_choice forces (it wins over the schema); None when neither asks for one. With `chat`, the
     output has the model's chat format (reasoning first, where the prompt leaves it to the model);
-    otherwise it is the answer alone, then the end token."""
+    otherwise it is the answer alone, then the end token. schema_field: the request field an error about
+    the schema names."""
     names = _forced(tools)
     if schema is None and not names:
         return None
     for name in names:           # each part alone first, for an error that names it
         check_schema(_call_schema(tools, name), tokenizer, f"tools: the parameters of {name}")
     if schema is not None and not names:
-        check_schema(schema, tokenizer, "response_format")
+        check_schema(schema, tokenizer, schema_field)
     w = _Writer(tokenizer)
     parser = output_parser(tokenizer, prompt_ids, tool_calls=bool(names)) if chat else None
     if isinstance(parser, HarmonyParser):
