@@ -44,8 +44,10 @@ async def one_request(session, url: str, body: dict, path: str = "/v1/completion
             chunk = json.loads(line[5:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            text += [c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
-            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+            pieces = [c.get("delta", {}).get("content") or c.get("text") or "" for c in chunk.get("choices", [])]
+            text += pieces
+            # token_ids where the server returns them (return_token_ids); else (llama-server) a chunk per token
+            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", [])) or sum(map(bool, pieces))
             if not n:
                 continue
             now = time.perf_counter()
