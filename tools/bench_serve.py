@@ -46,8 +46,10 @@ async def one_request(session, url: str, body: dict, path: str = "/v1/completion
                 raise RuntimeError(chunk["error"]["message"])
             pieces = [c.get("delta", {}).get("content") or c.get("text") or "" for c in chunk.get("choices", [])]
             text += pieces
-            # token_ids where the server returns them (return_token_ids); else (llama-server) a chunk per token
-            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", [])) or sum(map(bool, pieces))
+            # token_ids where the server returns them (return_token_ids); else (llama-server) a chunk per token,
+            # its text possibly empty, until the one that carries the finish_reason
+            choices = chunk.get("choices", [])
+            n = sum(len(c["token_ids"] or []) if "token_ids" in c else c.get("finish_reason") is None for c in choices)
             if not n:
                 continue
             now = time.perf_counter()
@@ -75,7 +77,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
             results.append(await one_request(session, url, body))
 
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         start = time.perf_counter()
         await asyncio.gather(*[client(session) for _ in range(concurrency)])
         elapsed = time.perf_counter() - start
@@ -112,7 +114,7 @@ async def run_conversations(url: str, model: str, clients: int, turns: int, max_
             messages.append({"role": "assistant", "content": result["text"]})
 
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         start = time.perf_counter()
         await asyncio.gather(*[conversation(session, c) for c in range(clients)])
         elapsed = time.perf_counter() - start
