@@ -1332,22 +1332,16 @@ INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
 /* One function per type (a constant inside): activation rows a..b times weight row w, into y[i * ldy]. */
 typedef void (*rows_fn_avx2)(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, float *y,
                           int64_t ldy);
-#define ROWS_K(T) static void rows_k_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
+/* KIND (rows_k or rows_a) of type T over activation rows a..b, four at a time, then the 1-3 left. */
+#define ROWS(KIND, T) static void KIND##_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
                                          float *y, int64_t ldy) { \
     int64_t i = a; \
-    for (; i + 4 <= b; i += 4) rows_k(T, 4, w, k, xq, i, y + i * ldy, ldy); \
-    if (b - i == 3) rows_k(T, 3, w, k, xq, i, y + i * ldy, ldy); \
-    else if (b - i == 2) rows_k(T, 2, w, k, xq, i, y + i * ldy, ldy); \
-    else if (b - i == 1) rows_k(T, 1, w, k, xq, i, y + i * ldy, ldy); }
-ROWS_K(Q2_K) ROWS_K(Q3_K) ROWS_K(Q4_K) ROWS_K(Q5_K) ROWS_K(Q6_K)
-#define ROWS_A(T) static void rows_a_##T(const uint8_t *w, int64_t k, const quantized_x *xq, int64_t a, int64_t b, \
-                                         float *y, int64_t ldy) { \
-    int64_t i = a; \
-    for (; i + 4 <= b; i += 4) rows_a(T, 4, w, k, xq, i, y + i * ldy, ldy); \
-    if (b - i == 3) rows_a(T, 3, w, k, xq, i, y + i * ldy, ldy); \
-    else if (b - i == 2) rows_a(T, 2, w, k, xq, i, y + i * ldy, ldy); \
-    else if (b - i == 1) rows_a(T, 1, w, k, xq, i, y + i * ldy, ldy); }
-ROWS_A(Q8_0) ROWS_A(MXFP4) ROWS_A(Q4_0)
+    for (; i + 4 <= b; i += 4) KIND(T, 4, w, k, xq, i, y + i * ldy, ldy); \
+    if (b - i == 3) KIND(T, 3, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 2) KIND(T, 2, w, k, xq, i, y + i * ldy, ldy); \
+    else if (b - i == 1) KIND(T, 1, w, k, xq, i, y + i * ldy, ldy); }
+ROWS(rows_k, Q2_K) ROWS(rows_k, Q3_K) ROWS(rows_k, Q4_K) ROWS(rows_k, Q5_K) ROWS(rows_k, Q6_K)
+ROWS(rows_a, Q8_0) ROWS(rows_a, MXFP4) ROWS(rows_a, Q4_0)
 
 /* The fused kernel for type t (a K-quant, or fused_a's), activation rows a..b times one weight row. */
 static rows_fn_avx2 rows_kernel(int t) {
