@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import socket
 import sys
 import time
@@ -62,7 +63,10 @@ async def one_request(session, url: str, body: dict, path: str = "/v1/completion
     return {"ttft": ttft, "itl": gaps, "tokens": tokens, "text": "".join(text)}
 
 
-async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int):
+async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int,
+                    tag: str):
+    """n_requests streaming completions from `concurrency` clients. Each prompt starts with its own words
+    (`tag` and its index), so no request of the run finds another's prompt in a server's prompt cache."""
     import aiohttp
 
     queue = list(range(n_requests))
@@ -71,7 +75,8 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
     async def client(session):
         while queue:
             i = queue.pop()
-            body = {"model": model, "prompt": " ".join(f"word{(i * 7 + j) % 50}" for j in range(prompt_words)),
+            words = [f"run{tag} request{i}"] + [f"word{(i * 7 + j) % 50}" for j in range(prompt_words - 2)]
+            body = {"model": model, "prompt": " ".join(words),
                     "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
                     "return_token_ids": True}
             results.append(await one_request(session, url, body))
@@ -195,11 +200,12 @@ def main(argv=None) -> int:
         if args.turns:
             return [asyncio.run(run_conversations(url, model, c, args.turns, args.max_tokens, args.prompt_words,
                                                   args.history_words)) for c in levels]
-        asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words))          # warm-up
+        run = secrets.token_hex(3)      # a later run against the same server repeats no prompt either
+        asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words, f"{run}w"))
         rows = []
         for c in levels:
             n = max(args.min_requests, c * args.requests_per_client)
-            rows.append(asyncio.run(run_level(url, model, c, n, args.max_tokens, args.prompt_words)))
+            rows.append(asyncio.run(run_level(url, model, c, n, args.max_tokens, args.prompt_words, f"{run}c{c}")))
             print(f"{c} clients done", file=sys.stderr)
         return rows
 
