@@ -233,7 +233,8 @@ def main(argv=None) -> int:
             ray.shutdown()
     kind = f"{args.turns}-turn chats, {args.history_words}-word shared preamble" if args.turns else \
         f"streaming /v1/completions, {args.prompt_words}-word prompts"
-    print(f"serving benchmark: {model}, pp={args.pp}, microbatches={args.microbatches or args.pp}, {kind}, max_tokens "
+    where = f"the server at {args.url}" if args.url else f"pp={args.pp}, microbatches={args.microbatches or args.pp}"
+    print(f"serving benchmark: {model}, {where}, {kind}, max_tokens "
           f"{args.max_tokens}, temperature 1 (lengths vary: EOS ends some early)")
     for label, rows in results.items():
         print(f"-- {label}")
