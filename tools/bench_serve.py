@@ -201,7 +201,7 @@ def main(argv=None) -> int:
             return [asyncio.run(run_conversations(url, model, c, args.turns, args.max_tokens, args.prompt_words,
                                                   args.history_words)) for c in levels]
         run = secrets.token_hex(3)      # a later run against the same server repeats no prompt either
-        asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words, f"{run}w"))
+        asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words, f"{run}w"))     # warm-up
         rows = []
         for c in levels:
             n = max(args.min_requests, c * args.requests_per_client)
