@@ -5,8 +5,9 @@
 connect_ray starts this beside a local cluster it starts. Ray's gcs_server and raylet end with
 their parent, and the workers with the raylet, but the raylet's agents (DashboardAgent,
 RuntimeEnvAgent) outlive them all. So every second this notes the driver's descendants (pid and
-start time); once the driver is gone, it sends SIGTERM, then after a grace SIGKILL, to those of
-them still running, and exits. A driver that exits normally stops the watchdog at exit.
+start time), keeping a note only if the driver still ran once it was taken; once the driver is
+gone, it sends SIGTERM, then after a grace SIGKILL, to those of them still running, and exits. A
+driver that exits normally stops the watchdog at exit.
 Linux only (it reads /proc); elsewhere it exits at once.
 """
 from __future__ import annotations
@@ -74,8 +75,11 @@ def watch(driver: int):
     started = _start_time(driver)
     me = os.getpid()
     known: dict[int, str] = {}
-    while _start_time(driver) == started and started is not None:
-        known = {pid: t for pid, t in descendants(driver).items() if pid != me}
+    while started is not None:
+        snapshot = {pid: t for pid, t in descendants(driver).items() if pid != me}
+        if _start_time(driver) != started:
+            break       # it died during the scan, whose tree may then lack what was reparented: keep the last
+        known = snapshot
         time.sleep(POLL_S)
     left = alive(known)
     if not left:
