@@ -1,6 +1,7 @@
 """cluster/watchdog.py without Ray: a driver that dies while the watchdog scans its process tree (the scan then
 misses what was reparented) still has the processes of its last whole scan stopped."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def test_a_driver_dying_during_a_scan_still_has_what_it_left_stopped(monkeypatch
     monkeypatch.setattr(watchdog, "POLL_S", 0.05)
     try:
         watchdog.watch(driver.pid)
-        assert agent.wait(timeout=10) == -15          # SIGTERM, as the watchdog sends first
+        assert agent.wait(timeout=10) == -signal.SIGTERM     # the watchdog's first signal
         assert len(scans) == 2
     finally:
         for proc in (driver, agent):
