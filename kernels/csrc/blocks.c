@@ -775,20 +775,22 @@ INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
     const __m512i q = _mm512_permutex2var_epi8(v.a, ix->bytes, v.b);
     group_a u;
     u.m = _mm512_setzero_ps();
+    if (t == MXFP4) { /* signed values + 12, by table. vpermb reads an index's low 6 bits, so the 16 values
+                       * repeated four times look up the low nibble as it is and the high one shifted down,
+                       * with no masks (measured 6% faster than vpshufb on masked nibbles, 2 threads) */
+        const __m512i values = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+        u.lo = _mm512_permutexvar_epi8(q, values);
+        u.hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(q, 4), values);
+        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a);
+        u.d = _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(128.0f));
+        return u;
+    }
     if (t == Q8_0) { /* w + 128 */
         u.lo = _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
         u.hi = _mm512_setzero_si512();
     } else {
         u.lo = _mm512_and_si512(q, m4);
         u.hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-    }
-    if (t == MXFP4) { /* signed values + 12, by table */
-        const __m512i values = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-        u.lo = _mm512_shuffle_epi8(values, u.lo);
-        u.hi = _mm512_shuffle_epi8(values, u.hi);
-        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a);
-        u.d = _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(128.0f));
-        return u;
     }
     if (t == Q5_0 || t == Q5_1) { /* the fifth bit, from qh */
         const __m512i sixteen = _mm512_set1_epi8(16);
