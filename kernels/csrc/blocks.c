@@ -725,8 +725,12 @@ typedef struct {
  * (measured 7% faster for MXFP4 at 2 threads: one load fewer that crosses a cache line). */
 typedef struct { __m512i a, b; } group_bytes;
 
+/* Whether a group's bytes past the first 64 come broadcast (Q8_0, MXFP4: 4 of them) rather than as
+ * the group's last 64. */
+static inline int tail_broadcast(int size) { return size == 68; }
+
 INLINE group_bytes load_group(const uint8_t *p, int size) {
-    if (size == 68) { /* Q8_0, MXFP4 */
+    if (tail_broadcast(size)) {
         uint32_t last;
         memcpy(&last, p + 64, 4);
         return (group_bytes){_mm512_loadu_si512(p), _mm512_set1_epi32((int)last)};
@@ -734,9 +738,9 @@ INLINE group_bytes load_group(const uint8_t *p, int size) {
     return (group_bytes){_mm512_loadu_si512(p), _mm512_loadu_si512(p + size - 64)};
 }
 
-/* Indices into a group_bytes pair (two-source byte permutes) of byte `at` of the group (68 bytes:
- * bytes 64-67 are b's lanes 0-3). */
-static inline uint8_t pair_index(int at, int size) { return (uint8_t)(at < 64 || size == 68 ? at : 64 + at - (size - 64)); }
+/* Indices into a group_bytes pair (two-source byte permutes) of byte `at` of the group (a broadcast
+ * tail: bytes 64-67 are b's lanes 0-3). */
+static inline uint8_t pair_index(int at, int size) { return (uint8_t)(at < 64 || tail_broadcast(size) ? at : 64 + at - (size - 64)); }
 
 typedef struct {
     __m512i bytes;  /* the quants: byte p from block p / per, byte off + p % per */
