@@ -716,8 +716,8 @@ static float dot_f32(const float *x, const float *w, int64_t k) {
 
 typedef struct {
     __m512i lo, hi;  /* u: Q8_0's two blocks in lo; else each block's elements 0-15, then 16-31 */
-    __m512 d, m;     /* per int32 lane of the dot products: the block's scale and min; MXFP4: the
-                      * scale's power of two (e - 128: e8m0, halved), applied by scalef */
+    __m512 d, m;     /* per int32 lane of the dot products: the block's scale and min (MXFP4: its
+                      * scale doubled) */
 } group_a;
 
 /* The bytes of a group at p (g blocks of bb bytes, 64 < g bb <= 128): the first 64, and the last
@@ -748,7 +748,7 @@ typedef struct {
     __m512i high2;  /* ... of its high nibble */
     __m512i bit;    /* that bit */
     __m512i words;  /* the f16 scale (and min, 16 lanes on) of each int32 lane's block, as words */
-    __m512i scale8; /* MXFP4: the e8m0 byte of each int32 lane's block, in its low byte */
+    __m512i scale8; /* MXFP4: the e8m0 byte of each int32 lane's block (read into its third byte) */
 } group_index;
 
 /* The permutes that gather a group of type t's fields into lanes (built once per call). */
@@ -792,8 +792,11 @@ INLINE group_a unpack_group(int t, const uint8_t *p, const group_index *ix) {
         const __m512i values = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
         u.lo = _mm512_permutexvar_epi8(q, values);
         u.hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(q, 4), values);
-        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, ix->scale8, v.a);
-        u.d = _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(128.0f));
+        /* the scale doubled, 2^(e - 127), made as float bits: e into bits 23-30 (e = 0 gives 0 rather than
+         * 2^-127, e = 255 inf rather than 2^128; both are outside what a quantiser writes). rows_a halves
+         * the sum, so the result has the same bits as with 2^(e - 128) (scaling by 2 is exact) */
+        const __m512i e = _mm512_maskz_permutexvar_epi8(0x4444444444444444ull, ix->scale8, v.a);
+        u.d = _mm512_castsi512_ps(_mm512_slli_epi32(e, 7));
         return u;
     }
     if (t == Q8_0) { /* w + 128 */
@@ -890,12 +893,13 @@ INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
             __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(corr[i] + 16 * c), u.lo, _mm512_load_si512(q));
             if (g == 4) s = _mm512_dpbusd_epi32(s, u.hi, _mm512_load_si512(q + 64));
             const __m512 dx = _mm512_load_ps(ld[i] + 16 * c); /* dw dx, rounded once either way */
-            const __m512 scale = t == MXFP4 ? _mm512_scalef_ps(dx, u.d) : _mm512_mul_ps(u.d, dx);
+            const __m512 scale = _mm512_mul_ps(u.d, dx);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
             if (has_min_a(t)) acc[i] = _mm512_fmadd_ps(u.m, _mm512_load_ps(lds[i] + 16 * c), acc[i]);
         }
     }
-    for (int i = 0; i < nr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+    const float half = t == MXFP4 ? 0.5f : 1.0f; /* MXFP4's scales came doubled */
+    for (int i = 0; i < nr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]) * half;
 }
 
 /* -- K-quants: a super-block to four registers of bytes u, w = dw sc (u - off) - dm mn per 16 -- */
