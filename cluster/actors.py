@@ -13,7 +13,7 @@ import time
 import ray
 import torch
 
-from kernels.threads import loading_threads, node_cores, share_of_cores
+from kernels.threads import loading_threads, node_cores, release_openmp_workers, share_of_cores
 from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.engine import split_layers
@@ -134,6 +134,8 @@ class StageActor:
         try:
             return self.stage.forward(batch, hidden)
         finally:
+            if self.stages_here > 1:    # the next stage computes on these cores: no worker may spin on
+                release_openmp_workers()
             self.busy_s += time.perf_counter() - start
 
     def forward(self, batch, hidden=None):

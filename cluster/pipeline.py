@@ -148,8 +148,7 @@ class Pipeline:
 
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
-        shares_node = bundle < self.args.pp and self.stages_here[bundle] > 1     # a stage, not an expert actor
-        env = process_env(self.args.threads, self.args.dtype, shares_node)
+        env = process_env(self.args.threads, self.args.dtype)
         opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
         if self.args.device == "cuda":
             opts["num_gpus"] = 1

@@ -8,6 +8,8 @@ node share all of its cores, and a stage whose turn it is alone takes them all.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 
 import torch
@@ -40,23 +42,33 @@ def share_of_cores(cores: int, stages_here: int, computing: int, work_bytes: int
     return max(1, cores // max(1, min(stages_here, computing)))
 
 
-# OpenMP workers' spin before they sleep (libgomp's GOMP_SPINCOUNT) in a stage that shares its node with
-# other stages of its pipeline. libgomp's default (300,000 spins, milliseconds) keeps a stage's workers
-# spinning after its step, on the cores the next stage then computes with.
-SHARED_NODE_SPINCOUNT = "10000"
-
-
-def process_env(threads: int | None, dtype: str, shares_node: bool = False) -> dict[str, str]:
+def process_env(threads: int | None, dtype: str) -> dict[str, str]:
     """Environment variables for an actor that computes with `threads` torch threads (None: its
-    node's share, see share_of_cores) in `dtype` mode, `shares_node` with other stages of its
-    pipeline; they only take effect when set before the process loads torch."""
+    node's share, see share_of_cores) in `dtype` mode; they only take effect when set before the
+    process loads torch."""
     env = {"OPENBLAS_NUM_THREADS": str(threads)} if threads else {}
     if dtype != "int8" and blas_has_own_threads():
         # torch's OpenMP workers sleep between ops rather than spin on the cores BLAS needs
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    elif shares_node:
-        env["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", SHARED_NODE_SPINCOUNT)
     return env
+
+
+def release_openmp_workers() -> bool:
+    """End this process's OpenMP worker threads now (the next parallel region starts them again), so that
+    none spins on after a step: libgomp's workers spin up to 300,000 times (milliseconds) before they sleep,
+    on the cores another stage of the pipeline computes with next. A stage sharing its node calls this after
+    every step, and keeps the long spin inside its step, where it spares a wake-up at every parallel region.
+    False where the OpenMP runtime has no omp_pause_resource_all (OpenMP 5.0)."""
+    pause = _omp_pause()
+    return pause is not None and pause(1) == 0      # 1: omp_pause_soft
+
+
+@functools.lru_cache(maxsize=None)
+def _omp_pause():
+    try:    # the runtime torch loaded (one copy per process: the compiled kernels link the same)
+        return ctypes.CDLL(None).omp_pause_resource_all
+    except AttributeError:
+        return None
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@ give the same bits (tokens, logprobs, prompt logprobs). So the default may use e
 stage may change its thread count from step to step, without changing what anyone gets."""
 import dataclasses
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -85,14 +87,35 @@ def test_large_pointwise_ops_do_not_depend_on_the_thread_count(op, threads):
 
 
 def test_worker_environment(monkeypatch):
-    """A stage sharing its node with others of its pipeline spins briefly (a value the user set wins); one alone
-    keeps libgomp's default; with BLAS's own threads, torch's workers sleep at once."""
+    """With BLAS's own threads, torch's workers sleep at once; otherwise libgomp's defaults stand."""
     from kernels import threads
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(threads, "blas_has_own_threads", lambda: False)
-    assert threads.process_env(None, "auto", shares_node=True) == {"GOMP_SPINCOUNT": threads.SHARED_NODE_SPINCOUNT}
+    assert threads.process_env(None, "auto") == {}
     assert threads.process_env(2, "auto") == {"OPENBLAS_NUM_THREADS": "2"}
-    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
-    assert threads.process_env(None, "float32", shares_node=True)["GOMP_SPINCOUNT"] == "500"
     monkeypatch.setattr(threads, "blas_has_own_threads", lambda: True)
-    assert threads.process_env(None, "float32", shares_node=True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert threads.process_env(None, "float32") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert threads.process_env(None, "int8") == {}
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_released_openmp_workers_end_and_come_back(threads):
+    """What a stage sharing its node does after each step: its OpenMP workers end (none is left to spin on
+    the next stage's cores), the next parallel region starts them again, and the results stay the same."""
+    from kernels.threads import release_openmp_workers
+    torch.set_num_threads(3)
+    x = torch.randn(512, 4096)
+    released = release_openmp_workers()
+    assert released, "torch's OpenMP runtime has no omp_pause_resource_all"
+    alone = os_threads()
+    first = torch.exp(x)        # large enough to be shared out: two workers start
+    with_workers = os_threads()
+    assert with_workers == alone + 2
+    assert release_openmp_workers()
+    deadline = time.monotonic() + 5
+    while os_threads() > alone and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os_threads() == alone
+    assert torch.equal(torch.exp(x), first) and os_threads() == with_workers
