@@ -4,7 +4,8 @@ stage may change its thread count from step to step, without changing what anyon
 import dataclasses
 import json
 import os
-import time
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,25 +98,33 @@ def test_worker_environment(monkeypatch):
     assert threads.process_env(None, "int8") == {}
 
 
-def os_threads() -> int:
+RELEASE_CHECK = """
+import os, time, torch
+from kernels.threads import release_openmp_workers
+def os_threads():
     return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(3)
+x = torch.randn(512, 4096)
+assert release_openmp_workers(), "torch's OpenMP runtime has no omp_pause_resource_all"
+alone = os_threads()
+first = torch.exp(x)                    # large enough to be shared out: two workers start
+with_workers = os_threads()
+assert release_openmp_workers()
+deadline = time.monotonic() + 5
+while os_threads() > alone and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = os_threads()
+again = torch.exp(x)
+print(alone, with_workers, after, os_threads(), torch.equal(again, first))
+"""
 
 
-def test_released_openmp_workers_end_and_come_back(threads):
+def test_released_openmp_workers_end_and_come_back():
     """What a stage sharing its node does after each step: its OpenMP workers end (none is left to spin on
-    the next stage's cores), the next parallel region starts them again, and the results stay the same."""
-    from kernels.threads import release_openmp_workers
-    torch.set_num_threads(3)
-    x = torch.randn(512, 4096)
-    released = release_openmp_workers()
-    assert released, "torch's OpenMP runtime has no omp_pause_resource_all"
-    alone = os_threads()
-    first = torch.exp(x)        # large enough to be shared out: two workers start
-    with_workers = os_threads()
-    assert with_workers == alone + 2
-    assert release_openmp_workers()
-    deadline = time.monotonic() + 5
-    while os_threads() > alone and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert os_threads() == alone
-    assert torch.equal(torch.exp(x), first) and os_threads() == with_workers
+    the next stage's cores), the next parallel region starts them again, and the results stay the same. In a
+    fresh process, where no other thread comes or goes."""
+    proc = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    alone, with_workers, after, again, same = proc.stdout.split()
+    assert (int(with_workers), int(after), int(again), same) == (int(alone) + 2, int(alone), int(alone) + 2, "True")
