@@ -31,8 +31,10 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def _start_time(pid: int) -> str | None:
+    """None once pid is gone or a zombie: a dead driver's children are already reparented while it waits to be
+    reaped, so a scan of its tree then would miss them."""
     fields = _stat(pid)
-    return fields[19] if fields else None
+    return fields[19] if fields and fields[0] != "Z" else None
 
 
 def descendants(root: int) -> dict[int, str]:
