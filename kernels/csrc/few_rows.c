@@ -38,7 +38,10 @@ static inline __attribute__((always_inline)) void block_f32(const float *x, int6
         const __mmask16 mask = k - k0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - k0)) - 1);
         __m512 wv[NR];
         for (int j = 0; j < nr; j++) {
-            _mm_prefetch((const char *)(w + j * k + k0) + PREFETCH_BYTES, _MM_HINT_T0);
+            /* the same place in the next block's row j, into L2: a fixed distance ahead in bytes lands in this
+             * block's own next row when rows are that long (Qwen3.5's router: 8 KB rows; measured 8-17% faster
+             * for the routers' shapes, 2 threads) */
+            _mm_prefetch((const char *)(w + (NR + j) * k + k0), _MM_HINT_T2);
             wv[j] = _mm512_maskz_loadu_ps(mask, w + j * k + k0);
         }
         for (int i = 0; i < mr; i++) {
