@@ -1,4 +1,5 @@
 """Helpers of the serving tests: free ports, a `python -m deploy.serve` subprocess, its process tree."""
+import http.client
 import json
 import os
 import signal
@@ -123,8 +124,8 @@ class ServerProcess:
                 status, _ = get_json(self.base + "/health", timeout=2)
                 if status == 200:
                     return
-            except (OSError, ValueError):
-                pass
+            except (OSError, ValueError, http.client.HTTPException):
+                pass    # not listening yet (another process, such as a Ray server, may hold the port until then)
             time.sleep(1)
         raise AssertionError(f"deploy.serve did not become healthy in {timeout}s: {self.tail()}")
 
