@@ -2,6 +2,10 @@
 # make test: set up .venv (with test extras) and run the whole suite.
 # make test-fast: the same without the Ray cluster tests and the slow ones (kernels, stages, formats).
 PYTHON ?= python3
+# make test-fast runs in two pytest-xdist workers. make test does not: its Ray tests leave the 2-core CI machine
+# idle ~40% of the time, but two workers starting Ray clusters at once overloaded it (a raylet past Ray's 30 s to
+# register, a runtime-env package lost), for 1.3x.
+TEST_WORKERS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -29,7 +33,7 @@ test: setup-test
 	$(PY) -m pytest
 
 test-fast: setup-test
-	$(PY) -m pytest -m "not cluster and not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not slow"
 
 bench-deps: setup-test
 	$(PY) -m pip install --quiet -e ".[test,bench]"

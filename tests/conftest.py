@@ -49,6 +49,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cluster"):
             item.fixturenames.insert(0, "ray_session")
+        # schemathesis gives every operation's test the function's bare node id; pytest-xdist (pytest -n) tells
+        # the items apart by id, so without the operation in it a worker would run the first one only
+        label = getattr(item, "operation_label", None)
+        if label and not item.nodeid.endswith("]"):
+            unique = f"{item.nodeid}[{label}]"
+            if hasattr(item, "_id"):        # pytest 9 keeps a parsed NodeId, pytest 8 the string
+                item._id = type(item._id).parse(unique)
+            else:
+                item._nodeid = unique
 
 
 @pytest.fixture(autouse=True)
