@@ -181,6 +181,7 @@ def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineS
     """A pipeline's plan for resolved settings, before any weight is read: checked against the model, on
     the Ray cluster (joined, or started here), GPUs counted, memory planned (plan_memory)."""
     args.validate(files.n_layers, files.config.n_expert)
+    files.check_tensors()
     spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=name)
     connect_ray(args.pp * (1 + args.ep))
     if args.device == "cuda":

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         from stages.chat import load_chat_template
         from stages.loader import open_model
         serve_args.validate()
-        open_model(args.model)
+        open_model(args.model).check_tensors()
         # read here, where the path means what the user meant; the replica gets the template's text
         serve_args = dataclasses.replace(serve_args, chat_template=load_chat_template(serve_args.chat_template))
     except RaymoeError as e:
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False
+    deploy_failed = False
     handle = None
     code = 0
     try:
@@ -166,12 +167,13 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}{_deploy_failure(args.app_name)}", file=sys.stderr)
         code = 1
+        deploy_failed = True        # no replica serves: none to stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):      # a second signal no longer interrupts the cleanup
             signal.signal(sig, signal.SIG_IGN)
         print("shutting down", file=sys.stderr, flush=True)
         steps = [("", time.monotonic())]       # how long each step took, in the last line
-        if handle is None and started_serve:
+        if handle is None and started_serve and not deploy_failed:
             # a signal inside serve.run, which can return well after the app answers requests on busy cores
             try:
                 handle = serve.get_app_handle(args.app_name)

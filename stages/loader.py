@@ -113,6 +113,14 @@ class ModelFiles:
                 shapes["output.weight"] = glob["output.weight"]
         return shapes
 
+    def check_tensors(self):
+        """Every tensor the stages will read is in the model's files: checked from the tensor table before
+        anything starts, so that a model missing one is refused at once rather than when a stage loads (each
+        tensor's shape is checked as it is read)."""
+        for name in self.expected_shapes(range(self.n_layers), first=True, last=True):
+            if not self.source.has(name):
+                raise ModelFormatError(f"{self.path}: missing tensor {name}")
+
     def tensor(self, name: str, shape: tuple, experts: range | None = None) -> torch.Tensor:
         """A tensor used as values (norms, biases, convolution taps), as float32; with `experts`, only
         that slice of its leading (expert) dimension."""

@@ -67,6 +67,16 @@ def test_missing_tensor(tiny_gguf, tmp_path):
         load_all(bad)
 
 
+@pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "blk.2.attn_norm.weight", "output_norm.weight"])
+def test_missing_tensor_is_found_from_the_table(tiny_gguf, tmp_path, name):
+    """check_tensors (run before a pipeline or server starts) finds a missing tensor without reading weights,
+    a vector (a norm) as well as a matrix; the complete file passes."""
+    open_model(tiny_gguf).check_tensors()
+    files = open_model(rewrite_gguf(tiny_gguf, str(tmp_path / "missing.gguf"), drop={name}))
+    with pytest.raises(ModelFormatError, match=f"missing tensor {name}"):
+        files.check_tensors()
+
+
 def test_misshaped_tensor(tiny_gguf, tmp_path):
     bad = rewrite_gguf(tiny_gguf, str(tmp_path / "shape.gguf"), reshape={"blk.1.ssm_out.weight": (128, 64)})
     with pytest.raises(ModelFormatError, match=r"blk.1.ssm_out.weight has shape \[128, 64\], expected \[128, 128\]"):
