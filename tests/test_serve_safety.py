@@ -1,7 +1,7 @@
 """Serving safely, on a real `python -m deploy.serve` process on loopback with an API key: gRPC listens
 where HTTP does, /v1/* and gRPC need the key, request limits answer 400/413 naming their flag while
-/health stays responsive, bad text is a 400, a model that cannot load fails fast (one missing a tensor before Ray starts), and SIGTERM with
-gRPC on stops everything quickly."""
+/health stays responsive, bad text is a 400, a model that cannot load fails fast (one missing a tensor
+before Ray starts), and SIGTERM with gRPC on stops everything quickly."""
 import asyncio
 import glob
 import json
@@ -170,7 +170,8 @@ def test_a_model_whose_weights_do_not_load_fails_fast(tmp_path):
     """A tensor of the wrong shape is found as the stage reads it, inside the replica: the application fails
     at once (no constructor retries), deploy.serve exits naming the tensor, and nothing waits on a replica."""
     from stages.loader import open_model
-    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "shape.gguf"), reshape={"blk.1.ssm_out.weight": (128, 64)})
+    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "shape.gguf"),
+                       reshape={"blk.1.ssm_out.weight": (128, 64)})
     started = time.time()
     proc = ServerProcess(tmp_path / "serve.log", "--grpc-port", "0", model=bad)
     try:
