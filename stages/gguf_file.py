@@ -268,6 +268,10 @@ class GGUFFile:
             raise ModelFormatError(f"{t.path}: truncated GGUF file (tensor {name})")
         return data.view(raw_shape), t.tensor_type
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of its values in torch order, from the tensor table."""
+        return self.info(name).torch_shape
+
     def stored_bytes(self, name: str, shape: tuple) -> int:
         """What a stage holds of the tensor as the file stores it: its bytes."""
         return self.info(name).n_bytes

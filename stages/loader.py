@@ -79,6 +79,9 @@ class TensorSource(Protocol):
         of the leading dimension; with `loading`, the bytes may still be arriving until it waits), or None
         where the source holds its values only."""
 
+    def shape(self, name: str) -> tuple | None:
+        """The shape of its values in torch order where the source knows it without reading them, else None."""
+
     def stored_bytes(self, name: str, shape: tuple) -> int:
         """What a stage holds of it in the auto and float32 modes."""
 
@@ -114,12 +117,15 @@ class ModelFiles:
         return shapes
 
     def check_tensors(self):
-        """Every tensor the stages will read is in the model's files: checked from the tensor table before
-        anything starts, so that a model missing one is refused at once rather than when a stage loads (each
-        tensor's shape is checked as it is read)."""
-        for name in self.expected_shapes(range(self.n_layers), first=True, last=True):
+        """Every tensor the stages will read is in the model's files, with the shape they expect where the
+        source knows it unread (GGUF's tensor table): checked before anything starts, so that such a model is
+        refused at once rather than when a stage loads (which checks again as it reads)."""
+        for name, shape in self.expected_shapes(range(self.n_layers), first=True, last=True).items():
             if not self.source.has(name):
                 raise ModelFormatError(f"{self.path}: missing tensor {name}")
+            stored = self.source.shape(name)
+            if stored is not None:
+                self._check_shape(name, stored, shape)
 
     def tensor(self, name: str, shape: tuple, experts: range | None = None) -> torch.Tensor:
         """A tensor used as values (norms, biases, convolution taps), as float32; with `experts`, only

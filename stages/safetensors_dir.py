@@ -103,6 +103,10 @@ class HFWeights:
         """None: the checkpoint holds the tensor's values only (get)."""
         return None
 
+    def shape(self, name: str) -> None:
+        """Unknown until read: the family's adapter may split or reorder the checkpoint's tensors."""
+        return None
+
     def stored_bytes(self, name: str, shape: tuple) -> int:
         return 4 * math.prod(shape)         # float32 values
 

@@ -81,6 +81,8 @@ def test_misshaped_tensor(tiny_gguf, tmp_path):
     bad = rewrite_gguf(tiny_gguf, str(tmp_path / "shape.gguf"), reshape={"blk.1.ssm_out.weight": (128, 64)})
     with pytest.raises(ModelFormatError, match=r"blk.1.ssm_out.weight has shape \[128, 64\], expected \[128, 128\]"):
         load_all(bad)
+    with pytest.raises(ModelFormatError, match=r"blk.1.ssm_out.weight has shape \[128, 64\], expected \[128, 128\]"):
+        open_model(bad).check_tensors()         # from the tensor table, before any weight is read
 
 
 def test_hf_dir_errors(tmp_path):

@@ -1,7 +1,7 @@
 """Serving safely, on a real `python -m deploy.serve` process on loopback with an API key: gRPC listens
 where HTTP does, /v1/* and gRPC need the key, request limits answer 400/413 naming their flag while
 /health stays responsive, bad text is a 400, a model that cannot load fails fast (one missing a tensor
-before Ray starts), and SIGTERM with gRPC on stops everything quickly."""
+or misshaping one before Ray starts), and SIGTERM with gRPC on stops everything quickly."""
 import asyncio
 import glob
 import json
@@ -153,32 +153,39 @@ def test_health_answers_while_a_maximal_body_is_parsed(server):
         assert max(latencies) < 0.2, latencies
 
 
-def test_a_model_missing_a_tensor_is_refused_before_ray_starts(tmp_path):
+@pytest.mark.parametrize("edit, error", [
+    ({"drop": {"blk.3.attn_k.weight"}}, "missing tensor blk.3.attn_k.weight"),
+    ({"reshape": {"blk.1.ssm_out.weight": (128, 64)}},
+     "tensor blk.1.ssm_out.weight has shape [128, 64], expected [128, 128]")])
+def test_a_model_missing_or_misshaping_a_tensor_is_refused_before_ray_starts(tmp_path, edit, error):
     from stages.loader import open_model
-    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "missing.gguf"), drop={"blk.3.attn_k.weight"})
+    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "bad.gguf"), **edit)
     proc = ServerProcess(tmp_path / "serve.log", "--grpc-port", "0", model=bad)
     try:
         code = proc.proc.wait(timeout=120)
         log = proc.tail()
         # the tensor table is checked first: the error is all it prints (no Ray or Serve to shut down)
-        assert code == 2 and log.strip() == f"error: {bad}: missing tensor blk.3.attn_k.weight", log
+        assert code == 2 and log.strip() == f"error: {bad}: {error}", log
     finally:
         proc.kill()
 
 
 def test_a_model_whose_weights_do_not_load_fails_fast(tmp_path):
-    """A tensor of the wrong shape is found as the stage reads it, inside the replica: the application fails
-    at once (no constructor retries), deploy.serve exits naming the tensor, and nothing waits on a replica."""
+    """A tensor of a type raymoe cannot compute with is found as the stage reads it, inside the replica: the
+    application fails at once (no constructor retries), deploy.serve exits naming the tensor, and nothing waits on
+    a replica."""
+    import gguf
+
     from stages.loader import open_model
-    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "shape.gguf"),
-                       reshape={"blk.1.ssm_out.weight": (128, 64)})
+    bad = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "iq.gguf"),
+                       retype={"blk.0.attn_qkv.weight": gguf.GGMLQuantizationType.IQ4_NL})
     started = time.time()
     proc = ServerProcess(tmp_path / "serve.log", "--grpc-port", "0", model=bad)
     try:
         code = proc.proc.wait(timeout=120)
         elapsed = time.time() - started
         log = proc.tail()
-        assert code == 1 and "blk.1.ssm_out.weight has shape [128, 64], expected [128, 128]" in log, log
+        assert code == 1 and "tensor blk.0.attn_qkv.weight has ggml type IQ4_NL, which raymoe cannot" in log, log
         assert "stopping the replica" not in log, log
         print(f"deploy.serve on a model that cannot load exited {code} after {elapsed:.1f} s")
     finally:
