@@ -148,7 +148,6 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False
-    deploy_failed = False
     handle = None
     code = 0
     try:
@@ -167,14 +166,14 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}{_deploy_failure(args.app_name)}", file=sys.stderr)
         code = 1
-        deploy_failed = True        # no replica serves: none to stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):      # a second signal no longer interrupts the cleanup
             signal.signal(sig, signal.SIG_IGN)
         print("shutting down", file=sys.stderr, flush=True)
         steps = [("", time.monotonic())]       # how long each step took, in the last line
-        if handle is None and started_serve and not deploy_failed:
+        if handle is None and started_serve and code == 0:
             # a signal inside serve.run, which can return well after the app answers requests on busy cores
+            # (code 1: the app failed to deploy, so no replica serves and none is stopped)
             try:
                 handle = serve.get_app_handle(args.app_name)
             except Exception:
