@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .native import blas_has_own_threads, few_rows
+from .native import blas_has_own_threads, f32_gemm, few_rows
 
 GEMV_MAX_ROWS = 4
 FEW_ROWS = 16       # measured: past ~16 rows BLAS (float32) and _weight_int8pack_mm (int8) win
@@ -35,8 +35,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.T
         return out
     if x.shape[0] == 0:
         return out
-    lib = few_rows()
-    if not blas_has_own_threads() and x.stride(-1) == 1 and w.is_contiguous() and out.stride(-1) == 1:
+    lib = f32_gemm()      # also the few rows the kernel above did not take (a CPU without AVX-512 VNNI)
+    if lib is not None and x.stride(-1) == 1 and w.is_contiguous() and out.stride(-1) == 1:
         lib.raymoe_f32_gemm(lib.sgemm, x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), w.shape[0],
                             w.shape[1], out.data_ptr(), out.stride(0))
         return out

@@ -6,9 +6,9 @@ the code paths of other CPUs) on first use and cached per source, compiler, flag
 $RAYMOE_CACHE/native (default ~/.cache/raymoe/native), so each Ray node builds its own. `_build`
 also compiles the other kernel sources (kernels/blocks.py). The library runs its threads on the OpenMP runtime torch has loaded,
 so it shares torch's thread count and workers; numpy's OpenBLAS is set to one thread and called
-inside them (`sgemm`), so one pool of threads does all the work. When there is no compiler, no
-AVX-512 VNNI, or RAYMOE_NATIVE=0, `few_rows()` is None and products stay with OpenBLAS's own
-threads and PyTorch.
+inside them (`sgemm`), so one pool of threads does all the work. Without AVX-512 VNNI, `few_rows()` is
+None and float32 products of every row count take the OpenBLAS path (`f32_gemm()`); with no compiler, or
+RAYMOE_NATIVE=0, both are None and products stay with OpenBLAS's own threads and PyTorch.
 """
 from __future__ import annotations
 
@@ -113,9 +113,23 @@ def few_rows() -> ctypes.CDLL | None:
     lib.raymoe_f32_grouped.restype = None
     lib.raymoe_i8_grouped.argtypes = [p, i, i, p, p, i, p, i, i, i, p, i]
     lib.raymoe_i8_grouped.restype = ctypes.c_int
+    return lib
+
+
+@lru_cache(maxsize=None)
+def f32_gemm() -> ctypes.CDLL | None:
+    """The library with `sgemm` set, for raymoe_f32_gemm: float32 matrix products on numpy's OpenBLAS, switched
+    to one thread and called on fixed slices from OpenMP threads, so that no sum depends on the thread count
+    (OpenBLAS's own threads change its kernel, and so the last bits, with their number). Built on every CPU, with
+    or without AVX-512. None without the library or where numpy's BLAS is another."""
+    lib = load_source(SOURCE, fallback="float32 products use OpenBLAS on its own threads")
+    sgemm = _numpy_sgemm() if lib is not None else None
+    if sgemm is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
     lib.raymoe_f32_gemm.argtypes = [p, p, i, i, p, i, i, p, i]
     lib.raymoe_f32_gemm.restype = None
-    lib.sgemm = _numpy_sgemm()
+    lib.sgemm = sgemm
     return lib
 
 
@@ -139,5 +153,4 @@ def blas_has_own_threads() -> bool:
     scipy-openblas): then torch's OpenMP workers must sleep between ops (OMP_WAIT_POLICY=PASSIVE,
     set before torch loads) rather than spin on the cores BLAS needs (measured: float32 decode ~3x
     slower with spinning workers)."""
-    lib = few_rows()
-    return lib is None or lib.sgemm is None
+    return f32_gemm() is None

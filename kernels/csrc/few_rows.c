@@ -14,6 +14,33 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* ---- many rows (and, without AVX-512 VNNI, every row count): BLAS's matrix product, slices of the
+ * weight's rows shared among OpenMP threads. Plain C: built for every CPU.
+ * BLAS keeps its own threads; running them next to OpenMP's (torch's, this file's) makes each
+ * side wait on or spin against the other. So BLAS runs single-threaded inside this library's
+ * OpenMP threads, each on its own columns of y. The slices are SLICE columns wide whatever the
+ * thread count: BLAS picks its kernel by the product's shape (OpenBLAS: a small-matrix kernel below
+ * some size, which sums in another order), so slices sized by the thread count gave other last
+ * bits at another thread count. Every output is summed by one BLAS call of the same shape.
+ */
+typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int64_t m, int64_t n, int64_t k, float alpha,
+                               const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                               int64_t ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+#define SLICE 256   /* columns per BLAS call: whole 64-column panels, wide enough to amortise packing x */
+
+/* sgemm: a 64-bit-integer cblas_sgemm (such as numpy's OpenBLAS), set to one thread by the caller. */
+void raymoe_f32_gemm(void *sgemm, const float *x, int64_t m, int64_t ldx, const float *w, int64_t n, int64_t k,
+                     float *y, int64_t ldy) {
+    const cblas_sgemm_fn gemm = (cblas_sgemm_fn)sgemm;
+    const int64_t slices = (n + SLICE - 1) / SLICE;
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < slices; s++) {
+        const int64_t n0 = s * SLICE, cols = n - n0 < SLICE ? n - n0 : SLICE;
+        gemm(ROW_MAJOR, NO_TRANS, TRANS, m, cols, k, 1.0f, x, ldx, w + n0 * k, k, 0.0f, y + n0, ldy);
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include <omp.h>
@@ -94,32 +121,6 @@ void raymoe_f32_grouped(const float *x, int64_t ldx, const float *w, int64_t w_s
 #define CALL_F32(MR_, NR_) block_f32(xb, ldx, MR_, wb, k, NR_, yb, ldy)
             DISPATCH(CALL_F32)
         }
-    }
-}
-
-/* ---- many rows: BLAS's matrix product, slices of the weight's rows shared among OpenMP threads ------
- * BLAS keeps its own threads; running them next to OpenMP's (torch's, this file's) makes each
- * side wait on or spin against the other. So BLAS runs single-threaded inside this library's
- * OpenMP threads, each on its own columns of y. The slices are SLICE columns wide whatever the
- * thread count: BLAS picks its kernel by the product's shape (OpenBLAS: a small-matrix kernel below
- * some size, which sums in another order), so slices sized by the thread count gave other last
- * bits at another thread count. Every output is summed by one BLAS call of the same shape.
- */
-typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int64_t m, int64_t n, int64_t k, float alpha,
-                               const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                               int64_t ldc);
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define SLICE 256   /* columns per BLAS call: whole 64-column panels, wide enough to amortise packing x */
-
-/* sgemm: a 64-bit-integer cblas_sgemm (such as numpy's OpenBLAS), set to one thread by the caller. */
-void raymoe_f32_gemm(void *sgemm, const float *x, int64_t m, int64_t ldx, const float *w, int64_t n, int64_t k,
-                     float *y, int64_t ldy) {
-    const cblas_sgemm_fn gemm = (cblas_sgemm_fn)sgemm;
-    const int64_t slices = (n + SLICE - 1) / SLICE;
-#pragma omp parallel for schedule(static)
-    for (int64_t s = 0; s < slices; s++) {
-        const int64_t n0 = s * SLICE, cols = n - n0 < SLICE ? n - n0 : SLICE;
-        gemm(ROW_MAJOR, NO_TRANS, TRANS, m, cols, k, 1.0f, x, ldx, w + n0 * k, k, 0.0f, y + n0, ldy);
     }
 }
 
