@@ -77,6 +77,10 @@ class Coordinator:
         self.spec = spec
         self.pipeline = None
         self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
+        # (group, refs, plan, batch): the step after its group's one in flight, sent before that one's token is
+        # back (a one-stage pipeline; _launch_ahead)
+        self.ahead: tuple | None = None
+        self.ahead_steps = self.ahead_dropped = 0      # steps sent ahead, and of those the ones not used
         self.to_release: list[int] = []                 # finished sequences whose stage caches are still held
         self.next_group = 0
         self.wake = asyncio.Event()
@@ -244,7 +248,8 @@ class Coordinator:
     def pipeline_stats(self) -> dict:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
-                "prefill_tokens": self.core.prefill_tokens,
+                "prefill_tokens": self.core.prefill_tokens, "ahead_steps": self.ahead_steps,
+                "ahead_dropped": self.ahead_dropped,
                 "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def shutdown(self):
@@ -277,6 +282,35 @@ class Coordinator:
             batch.computing = computing
             self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
             self._maybe_inject_fault()
+        if self.spec.args.pp == 1 and self.ahead is None and len(self.in_flight) == 1:
+            self._launch_ahead()
+
+    def _launch_ahead(self):
+        """One batch in flight on a one-stage pipeline: when it is one sequence's step, send its next step now
+        (stages/engine.py plan_ahead), so that the stage starts it as soon as this one ends instead of waiting
+        for the coordinator to consume the result and plan again, as vLLM's asynchronous scheduling does. It is
+        the step the coordinator would send next, so the outputs are the same; when the sequence ends with this
+        token instead, the stage computes one step for nothing."""
+        g, (_, plan, _) = next(iter(self.in_flight.items()))
+        self.current = (g, plan)
+        planned = self.core.plan_ahead(plan)
+        if planned is not None:
+            batch, ahead = planned
+            self.ahead = (g, self.pipeline.submit(batch), ahead, batch)
+            self.ahead_steps += 1
+
+    def _take_ahead(self, group: int):
+        """After a batch of `group` was consumed: the step sent ahead of it is now the one in flight, if its
+        sequence goes on."""
+        if self.ahead is None or self.ahead[0] != group:
+            return
+        _, refs, plan, batch = self.ahead
+        self.ahead = None
+        if plan[0].seq.seq_id in self.core.sequences:
+            self.in_flight[group] = (refs, plan, batch)
+        else:       # it ended (or was cancelled) with the token before: its caches are released after this step
+            self.core.drop_ahead(plan)
+            self.ahead_dropped += 1
 
     def script_for(self, prompt_ids: list[int]) -> list[int] | None:
         """Test hook (EngineArgs.scripted_outputs, {text: token ids}): a sequence whose prompt's text holds a
@@ -337,6 +371,7 @@ class Coordinator:
         self.steps += 1
         self.progress_at = time.monotonic()
         self._consume(results, plan)
+        self._take_ahead(g)
         self.current = None
 
     def _fail_current(self, e: Exception):
@@ -344,6 +379,9 @@ class Coordinator:
         else every sequence of its group, else (no group at hand) every live sequence."""
         group, plan = self.current or (None, None)
         self.current = None
+        if self.ahead is not None:      # the step after the failed one's: of the same sequence, failed with it
+            self.core.drop_ahead(self.ahead[2])
+            self.ahead = None
         if group is None:
             self.in_flight.clear()
             victims = list(self.core.sequences.values())
@@ -398,6 +436,7 @@ class Coordinator:
         every live sequence recompute its caches from its tokens. The restart empties every stage's prefix
         store, and forget_caches the index of it."""
         self.in_flight.clear()      # stale steps still queued on live stages run before their reset
+        self.ahead = None
         self.restarts += 1
         now = time.monotonic()
         self.recent_restarts.append(now)

@@ -36,6 +36,9 @@ class StepBatch:
     computing: int = 1
     # what the stages do with their prefix caches around this step (stages/prefix_cache.py decides)
     prefix: PrefixOps | None = None
+    # token_ids unset: each chunk (one token) is the token this stage sampled last for its sequence, planned
+    # before that token was back (a one-stage pipeline; stages/engine.py plan_ahead)
+    follow: bool = False
 
     @property
     def n_tokens(self) -> int:

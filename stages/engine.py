@@ -20,9 +20,10 @@ from collections import deque
 
 from .loader import ModelFiles
 from .prefix_cache import PrefixCache
+from .batch import StepBatch
 from .requests import check_prompt
-from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .sampling import ChunkSampling, SamplingParams
+from .scheduler import PlannedChunk, Scheduler
 from .sequence import Sequence
 from .stage import Stage
 from .step_budget import PrefillBudget
@@ -123,6 +124,38 @@ class EngineCore:
             if self.prefix is not None:
                 self.prefix.plan(batch, plan)
         return planned
+
+    def plan_ahead(self, plan: list[PlannedChunk]) -> tuple[StepBatch, list[PlannedChunk]] | None:
+        """The step after `plan`, planned while `plan` computes, for the pipeline that would otherwise wait idle
+        for its result: one sequence runs and none waits, so that this is the batch next_batch would plan once
+        the token is back, if the sequence goes on. Its one chunk continues from the token the last stage samples
+        for `plan` (StepBatch.follow), which only a one-stage pipeline, embedding what it sampled, can run. None
+        where the next step is not certain to be that one (others wait, the token is its last by max_tokens or
+        the context) or needs the token here first (a penalty's or a grammar's history, a test's script)."""
+        if len(plan) != 1 or self.waiting or self.running() != 1:
+            return None
+        c = plan[0]
+        seq, params = c.seq, c.seq.params
+        if (c.start + c.length != seq.n_tokens or seq.finish_reason is not None or seq.cancelled
+                or seq.script is not None or params.needs_history or len(seq.output_ids) + 1 >= params.max_tokens
+                or seq.n_tokens + 1 >= seq.context_length):
+            return None
+        start = seq.n_tokens      # where the token being sampled goes
+        sampling = ChunkSampling(params=params, seed=seq.seed, position=len(seq.output_ids) + 1, tip=0,
+                                 seq_id=seq.seq_id)
+        batch = StepBatch(seq_ids=[seq.seq_id], start_pos=[start], lengths=[1], logit_rows=[0], sampling=[sampling],
+                          follow=True)
+        ahead = [PlannedChunk(seq, start, 1)]
+        if self.prefill_budget is not None:
+            self.prefill_budget.planned(ahead, 0)
+        if self.prefix is not None:
+            self.prefix.plan(batch, ahead)
+        return batch, ahead
+
+    def drop_ahead(self, ahead: list[PlannedChunk]):
+        """A step planned ahead whose sequence ended before it (its result is not used)."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.forget(ahead)
 
     def consume(self, results: list[tuple], plan) -> list[Sequence]:
         """Apply what the last stage sampled for one batch (per chunk: token, its logprobs, prompt logprobs);

@@ -106,6 +106,8 @@ class Stage:
         self.prefix = PrefixStore()       # its layers' share of the prefix cache
         # the last stage samples: its sequences' grammar matchers (structured outputs)
         self.matchers = Matchers(model.tokenizer, model.config.vocab) if self.last else None
+        # a stage that embeds and samples: the token it sampled last per sequence (StepBatch.follow)
+        self.sampled: dict[int, int] = {}
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
@@ -122,6 +124,7 @@ class Stage:
     def reset(self):
         """Forget every sequence's caches and the prefix cache (the coordinator forgets its index too)."""
         self.caches.clear()
+        self.sampled.clear()
         self.prefix.clear()
         if self.matchers is not None:
             self.matchers.clear()
@@ -131,6 +134,7 @@ class Stage:
 
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
+        self.sampled.pop(seq_id, None)
         if self.matchers is not None:
             self.matchers.release(seq_id)
 
@@ -142,7 +146,7 @@ class Stage:
         logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
         """
         if self.first:
-            x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device))
+            x = lookup_rows(self.embed, torch.as_tensor(self._input_ids(batch), device=self.device))
         else:       # a transport that stages through the host hands a CPU tensor to a GPU stage
             x = hidden.to(self.device)
         ops = batch.prefix
@@ -164,4 +168,19 @@ class Stage:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
             logits = linear(x, self.head).float().cpu()      # sampling runs on the host
-        return logits if batch.sampling is None else sample_chunks(logits, batch.sampling, self.matchers)
+        if batch.sampling is None:
+            return logits
+        results = sample_chunks(logits, batch.sampling, self.matchers)
+        if self.first:      # the next step may be planned before these tokens reach the coordinator
+            for c, result in zip(batch.sampling, results):
+                if c.tip is not None and not isinstance(result, str):
+                    self.sampled[c.seq_id] = result[0]
+        return results
+
+    def _input_ids(self, batch: StepBatch) -> list[int]:
+        if not batch.follow:
+            return batch.token_ids
+        missing = [sid for sid in batch.seq_ids if sid not in self.sampled]
+        if missing:     # the step before it failed here, or went to other stages
+            raise RuntimeError(f"no sampled token to continue sequence {missing[0]} from")
+        return [self.sampled[sid] for sid in batch.seq_ids]

@@ -55,6 +55,10 @@ class PrefillBudget:
         elif self.decode_s is not None:
             self.token_s = _smooth(self.token_s, max(took - self.decode_s, 0.0) / prompt_tokens)
 
+    def forget(self, plan):
+        """A planned step whose result is not used (stages/engine.py drop_ahead)."""
+        self.in_flight.pop(id(plan), None)
+
     def forget_in_flight(self):
         """The steps in flight were dropped (a stage restarted): they will not complete."""
         self.in_flight.clear()
