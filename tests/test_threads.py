@@ -75,6 +75,26 @@ def test_full_width_layers_give_the_same_bits_at_any_thread_count(model, tmp_pat
         assert all(other == one for other in others), mode
 
 
+WITHOUT_FEW_ROWS = """
+import json, torch
+from kernels import dense
+dense.few_rows = lambda: None           # as on a CPU without AVX-512 VNNI, where that kernel is not built
+from tests.test_threads import generate
+print(json.dumps([generate("tiny-qwen35moe", "float32", n) for n in (2, 1, 2)]))
+"""
+
+
+def test_float32_without_the_few_row_kernel_keeps_its_bits():
+    """Every float32 product then goes through the OpenBLAS path (raymoe_f32_gemm), from the first one of a fresh
+    process on: OpenBLAS on its own threads gave other bits at one thread than at two, and so also before and after
+    another library switched it to one thread (seen on an AVX2-only host)."""
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_FEW_ROWS], capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, one, again = json.loads(proc.stdout.splitlines()[-1])
+    assert first == one == again
+
+
 @pytest.mark.parametrize("op", [pointwise.silu, pointwise.sigmoid, pointwise.softplus])
 def test_large_pointwise_ops_do_not_depend_on_the_thread_count(op, threads):
     """torch's own silu/sigmoid/softplus change last bits with the thread count above its grain
