@@ -18,9 +18,9 @@ import itertools
 import logging
 from collections import deque
 
+from .batch import StepBatch
 from .loader import ModelFiles
 from .prefix_cache import PrefixCache
-from .batch import StepBatch
 from .requests import check_prompt
 from .sampling import ChunkSampling, SamplingParams
 from .scheduler import PlannedChunk, Scheduler
