@@ -99,10 +99,15 @@ def load_source(source: Path, arch: str | None = None, extra: tuple[str, ...] = 
         return None
 
 
+def _library() -> ctypes.CDLL | None:
+    """kernels/csrc/few_rows.c built for this CPU (loaded once: load_source caches it), or None."""
+    return load_source(SOURCE, fallback="float32 and few-row products use OpenBLAS and PyTorch (slower)")
+
+
 @lru_cache(maxsize=None)
 def few_rows() -> ctypes.CDLL | None:
     """The loaded library, or None where it can't be used here (the reason is logged once)."""
-    lib = load_source(SOURCE, fallback="few-row products use OpenBLAS and PyTorch (slower decode)")
+    lib = _library()
     if lib is None:
         return None
     if not lib.raymoe_few_rows_available():
@@ -122,7 +127,7 @@ def f32_gemm() -> ctypes.CDLL | None:
     to one thread and called on fixed slices from OpenMP threads, so that no sum depends on the thread count
     (OpenBLAS's own threads change its kernel, and so the last bits, with their number). Built on every CPU, with
     or without AVX-512. None without the library or where numpy's BLAS is another."""
-    lib = load_source(SOURCE, fallback="float32 products use OpenBLAS on its own threads")
+    lib = _library()
     sgemm = _numpy_sgemm() if lib is not None else None
     if sgemm is None:
         return None
@@ -133,6 +138,7 @@ def f32_gemm() -> ctypes.CDLL | None:
     return lib
 
 
+@lru_cache(maxsize=None)
 def _numpy_sgemm() -> int | None:
     """The address of numpy's OpenBLAS cblas_sgemm (64-bit integers), its threads set to one; None
     when numpy uses another BLAS."""
