@@ -1358,13 +1358,13 @@ typedef void (*rows_fn_avx2)(const uint8_t *w, int64_t k, const quantized_x *xq,
     else if (b - i == 2) KIND(T, 2, w, k, xq, i, y + i * ldy, ldy); \
     else if (b - i == 1) KIND(T, 1, w, k, xq, i, y + i * ldy, ldy); }
 ROWS(rows_k, Q2_K) ROWS(rows_k, Q3_K) ROWS(rows_k, Q4_K) ROWS(rows_k, Q5_K) ROWS(rows_k, Q6_K)
-ROWS(rows_a, Q8_0) ROWS(rows_a, MXFP4) ROWS(rows_a, Q4_0)
+ROWS(rows_a, Q8_0) ROWS(rows_a, Q4_0)
 
-/* The fused kernel for type t (a K-quant, or fused_a's), activation rows a..b times one weight row. */
+/* The fused kernel for type t (a K-quant, Q8_0 or Q4_0; MXFP4 has mxfp4_rows), activation rows a..b times one
+ * weight row. */
 static rows_fn_avx2 rows_kernel(int t) {
     switch (t) {
     case Q8_0: return rows_a_Q8_0;
-    case MXFP4: return rows_a_MXFP4;
     case Q4_0: return rows_a_Q4_0;
     case Q2_K: return rows_k_Q2_K;
     case Q3_K: return rows_k_Q3_K;
@@ -1577,7 +1577,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
     const int buffered = mode == 0; /* the fast modes unpack in registers */
 #elif ARCH == 1
     const int fused = mode == 2 || (mode == 1 && fused_a(t)), buffered = !fused; /* fused: unpacked in registers */
-    const rows_fn_avx2 rows_t = fused ? rows_kernel(t) : NULL;
+    const rows_fn_avx2 rows_t = fused && t != MXFP4 ? rows_kernel(t) : NULL;
 #else
     const int buffered = 1;
 #endif
