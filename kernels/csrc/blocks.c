@@ -1303,21 +1303,30 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
  * then dot_a take them) made in a register and dotted with up to four rows (dot_a's operations per row). */
 static int fused_a(int t) { return t == Q8_0 || t == MXFP4 || t == Q4_0; }
 
+/* The 32 4-bit codes of 16 bytes: the low nibbles, then the high ones. */
+INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i m4 = _mm_set1_epi8(15), q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+/* The signed values (twice E2M1's) of the MXFP4 block at p. */
+INLINE __m256i mxfp4_values(const uint8_t *p) {
+    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm256_shuffle_epi8(values, nibbles32(p + 1));
+}
+
 INLINE __m256i signed_block_a(int t, const uint8_t *p, float *dw) {
     if (t == Q8_0) {
         *dw = f16(rd16(p));
         return _mm256_loadu_si256((const __m256i *)(p + 2));
     }
-    const __m128i m4 = _mm_set1_epi8(15), q = _mm_loadu_si128((const __m128i *)(p + (t == MXFP4 ? 1 : 2)));
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
     if (t == MXFP4) {
         *dw = e8m0_half(p[0]);
-        const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                                0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-        return _mm256_shuffle_epi8(values, nibbles);
+        return mxfp4_values(p);
     }
     *dw = f16(rd16(p));
-    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(nibbles32(p + 2), _mm256_set1_epi8(8));
 }
 
 INLINE void rows_a(int t, int nr, const uint8_t *w, int64_t k, const quantized_x *xq, int64_t row, float *y,
@@ -1505,10 +1514,7 @@ INLINE __m256i lane_sums8(const __m256i *p) {
 
 static void mxfp4_rows8(const uint8_t *const *w, int count, const uint8_t *next, int64_t k, const int8_t *q,
                         const float *dq, float *y) {
-    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0, o = 0; b < k / 32; b++, o += 17) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
@@ -1518,9 +1524,7 @@ static void mxfp4_rows8(const uint8_t *const *w, int count, const uint8_t *next,
         __builtin_prefetch(ahead + 135, 0, 3);
         __m256i p[8];
         for (int j = 0; j < 8; j++) {
-            const __m128i qs = _mm_loadu_si128((const __m128i *)(w[j] + o + 1));
-            const __m256i ws = _mm256_shuffle_epi8(values, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
-                                                                           _mm_and_si128(qs, m4)));
+            const __m256i ws = mxfp4_values(w[j] + o);
             p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws)), ones);
         }
         /* e8m0_half of the eight scales */
