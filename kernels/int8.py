@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .dense import FEW_ROWS, group_table
-from .native import few_rows
+from .native import int8_rows
 from .weights import join_tensors
 
 K_MULTIPLE = 16
@@ -73,7 +73,7 @@ class Int8Weight:
 
     def _few_rows(self, x, groups, out, single: bool = False) -> bool:
         """kernels/csrc/few_rows.c's int8 kernel; False where that library or the layout can't."""
-        lib = few_rows()
+        lib = int8_rows()
         if lib is None or x.stride(-1) != 1 or out.stride(-1) != 1 or not self.q.is_contiguous():
             return False
         n, k = self.q.shape[-2:]

@@ -6,7 +6,8 @@ the code paths of other CPUs) on first use and cached per source, compiler, flag
 $RAYMOE_CACHE/native (default ~/.cache/raymoe/native), so each Ray node builds its own. `_build`
 also compiles the other kernel sources (kernels/blocks.py). The library runs its threads on the OpenMP runtime torch has loaded,
 so it shares torch's thread count and workers; numpy's OpenBLAS is set to one thread and called
-inside them (`sgemm`), so one pool of threads does all the work. Without AVX-512 VNNI, `few_rows()` is
+inside them (`sgemm`), so one pool of threads does all the work. The few-row kernels take float32 weights
+with AVX2 or AVX-512, int8 ones with AVX-512 VNNI only (`int8_rows()`); without AVX2, `few_rows()` is
 None and float32 products of every row count take the OpenBLAS path (`f32_gemm()`); with no compiler, or
 RAYMOE_NATIVE=0, both are None and products stay with OpenBLAS's own threads and PyTorch.
 """
@@ -107,15 +108,29 @@ def _library() -> ctypes.CDLL | None:
 @lru_cache(maxsize=None)
 def few_rows() -> ctypes.CDLL | None:
     """The loaded library, or None where it can't be used here (the reason is logged once)."""
-    lib = _library()
+    return with_few_rows(_library())
+
+
+def with_few_rows(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """A build of few_rows.c set up for its float32 kernel, or None where that build has none."""
     if lib is None:
         return None
     if not lib.raymoe_few_rows_available():
-        log.info("this CPU has no AVX-512 VNNI: few-row products use OpenBLAS and PyTorch")
+        log.info("this CPU has neither AVX2 nor AVX-512: few-row products use OpenBLAS and PyTorch")
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.raymoe_f32_grouped.argtypes = [p, i, p, i, p, i, i, i, p, i]
     lib.raymoe_f32_grouped.restype = None
+    return lib
+
+
+@lru_cache(maxsize=None)
+def int8_rows() -> ctypes.CDLL | None:
+    """The library where it has the int8 kernel (AVX-512 VNNI), or None."""
+    lib = few_rows()
+    if lib is None or lib.raymoe_few_rows_available() < 2:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
     lib.raymoe_i8_grouped.argtypes = [p, i, i, p, p, i, p, i, i, i, p, i]
     lib.raymoe_i8_grouped.restype = ctypes.c_int
     return lib

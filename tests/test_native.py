@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from kernels.int8 import Int8Weight, quantize_rows
 from kernels.dense import _few_rows_f32
 from kernels.linear import grouped_linear, linear
-from kernels.native import few_rows
+from kernels import dense
+from kernels.native import SOURCE, few_rows, int8_rows, load_source, with_few_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 lib = few_rows()
-needs_lib = pytest.mark.skipif(lib is None, reason="no C compiler or no AVX-512 VNNI here (kernels/native.py)")
+needs_lib = pytest.mark.skipif(lib is None, reason="no C compiler or neither AVX2 nor AVX-512 here (kernels/native.py)")
+needs_int8 = pytest.mark.skipif(int8_rows() is None, reason="no C compiler or no AVX-512 VNNI here (kernels/native.py)")
 
 # rows, inner, outer: tails in every dimension (K not a multiple of 16 or 64, N of 4, M of 4)
 SHAPES = [(1, 1024, 4096), (2, 100, 37), (3, 64, 8), (4, 33, 5), (7, 1000, 130), (16, 512, 1024), (13, 2880, 9)]
@@ -57,6 +59,23 @@ def test_float32_rows_match_float64(m, k, n):
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.skipif(load_source(SOURCE, "haswell") is None, reason="no C compiler for x86-64")
+def test_avx2_build_of_float32_rows(monkeypatch):
+    """The AVX2 kernel (what a CPU without AVX-512 runs) built here: against float64, tails in every
+    dimension, and its bits independent of threads and neighbours."""
+    avx2 = with_few_rows(load_source(SOURCE, "haswell"))
+    assert avx2.raymoe_few_rows_available() == 1
+    monkeypatch.setattr(dense, "few_rows", lambda: avx2)
+    for m, k, n in SHAPES:
+        g = torch.Generator().manual_seed(m * 1000 + k)
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+        ref = x.double() @ w.double().T
+        assert (rows(x, w).double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (m, k, n)
+    x, w = torch.randn(9, 700, generator=g), torch.randn(301, 700, generator=g)
+    y = rows(x, w, threads=2)
+    assert torch.equal(y, rows(x, w, threads=1)) and torch.equal(y[5:6], rows(x[5:6], w))
+
+
 @needs_lib
 def test_float32_rows_do_not_depend_on_threads_or_neighbours():
     g = torch.Generator().manual_seed(1)
@@ -66,7 +85,7 @@ def test_float32_rows_do_not_depend_on_threads_or_neighbours():
     assert torch.equal(y[5:6], rows(x[5:6], w))                   # a row alone gives the same bits
 
 
-@needs_lib
+@needs_int8
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int8_rows_match_integer_reference(m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + 1)
@@ -84,7 +103,7 @@ def test_int8_rows_match_integer_reference(m, k, n):
 
 
 @needs_lib
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
 def test_groups_of_rows_through_their_own_weights(int8):
     """The tokens of each expert in one call: groups of 1-16 rows (in the kernel) and of 40 (not),
     each equal to its group's own product."""

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* ---- many rows (and, without AVX-512 VNNI, every row count): BLAS's matrix product, slices of the
+/* ---- many rows (and, without AVX2 or AVX-512, every row count): BLAS's matrix product, slices of the
  * weight's rows shared among OpenMP threads. Plain C: built for every CPU.
  * BLAS keeps its own threads; running them next to OpenMP's (torch's, this file's) makes each
  * side wait on or spin against the other. So BLAS runs single-threaded inside this library's
@@ -41,20 +41,25 @@ void raymoe_f32_gemm(void *sgemm, const float *x, int64_t m, int64_t ldx, const 
     }
 }
 
+/* What this build has: 2 with AVX-512 VNNI (float32 and int8 weights), 1 with AVX2 and FMA (float32 only),
+ * 0 without either (BLAS and PyTorch do the products). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#include <omp.h>
-
-int raymoe_few_rows_available(void) { return 1; }
-
-#define NR 4 /* weight rows per block */
-#define MR 4 /* activation rows per pass */
-/* The hardware prefetcher alone left int8 rows streaming at ~20 GB/s here; fetching this far
- * ahead reaches ~55 GB/s (measured 4-16 KB, over weights much larger than the caches). */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 8192
+#define FEW_ROWS 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FEW_ROWS 1
+#else
+#define FEW_ROWS 0
 #endif
 
+int raymoe_few_rows_available(void) { return FEW_ROWS; }
+
+#if FEW_ROWS >= 1
+#include <immintrin.h>
+
+#define NR 4 /* weight rows per block */
+#define MR 4 /* activation rows per pass (AVX2's 16 registers spill a few accumulators: measured faster than MR 2) */
+
+#if FEW_ROWS == 2
 /* One block: rows [0, mr) of x times weight rows [0, nr) -> y, for compile-time mr and nr. */
 static inline __attribute__((always_inline)) void block_f32(const float *x, int64_t ldx, int mr, const float *w,
                                                             int64_t k, int nr, float *y, int64_t ldy) {
@@ -79,6 +84,42 @@ static inline __attribute__((always_inline)) void block_f32(const float *x, int6
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+
+#else
+/* The first n (< 8) floats at p, zeros after. */
+static inline __m256 load_tail(const float *p, int64_t n) {
+    static const int32_t first[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i *)(first + 8 - n)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The block as above with AVX2's 8 lanes (the same order of operations per lane). */
+static inline __attribute__((always_inline)) void block_f32(const float *x, int64_t ldx, int mr, const float *w,
+                                                            int64_t k, int nr, float *y, int64_t ldy) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += 8) {
+        const int64_t left = k - k0;
+        __m256 wv[NR];
+        for (int j = 0; j < nr; j++) {
+            _mm_prefetch((const char *)(w + (NR + j) * k + k0), _MM_HINT_T2);
+            wv[j] = left >= 8 ? _mm256_loadu_ps(w + j * k + k0) : load_tail(w + j * k + k0, left);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256 xv = left >= 8 ? _mm256_loadu_ps(x + i * ldx + k0) : load_tail(x + i * ldx + k0, left);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = sum8(acc[i][j]);
+}
+#endif
 
 /* Dispatch to a block with compile-time mr and nr, so its accumulators live in registers. */
 #define DISPATCH(CALL)                                                                             \
@@ -123,6 +164,15 @@ void raymoe_f32_grouped(const float *x, int64_t ldx, const float *w, int64_t w_s
         }
     }
 }
+
+#endif /* FEW_ROWS >= 1 */
+
+#if FEW_ROWS == 2
+/* The hardware prefetcher alone left int8 rows streaming at ~20 GB/s here; fetching this far
+ * ahead reaches ~55 GB/s (measured 4-16 KB, over weights much larger than the caches). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
 
 /* ---- int8 weights ------------------------------------------------------------------------------
  * w [n, k] int8 in [-127, 127] with a float scale per row. Each row of x is quantised to int8 in
@@ -227,7 +277,4 @@ int raymoe_i8_grouped(const float *x, int64_t m, int64_t ldx, const int8_t *w, c
     return 0;
 }
 
-#else
-/* Without AVX-512 the callers keep to BLAS and PyTorch's kernels. */
-int raymoe_few_rows_available(void) { return 0; }
-#endif
+#endif /* FEW_ROWS == 2 */
