@@ -1179,14 +1179,22 @@ static float dot_k(const block_k *w, const quantized_x *xq, int64_t row, int64_t
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Byte indices that broadcast sub-block 2c's scale to the low 8 int16 lanes of chunk c (elements
- * 32c..32c+31) and sub-block 2c + 1's to the high 8, after sign extension. */
-static const uint8_t CHUNK_SCALE[8][16] = {
-#define CHUNK(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, \
-                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
-    CHUNK(0), CHUNK(1), CHUNK(2), CHUNK(3), CHUNK(4), CHUNK(5), CHUNK(6), CHUNK(7)
-#undef CHUNK
+/* Byte indices that broadcast, from a register holding 8 int16 scales in both halves, the scale of
+ * sub-block 2c to the low 8 int16 lanes of chunk c (elements 32c..32c+31) and that of sub-block 2c + 1
+ * to the high 8 (c taken mod 4: chunks 0-3 from scales 0-7, 4-7 from 8-15). */
+static const uint8_t CHUNK_SCALE[4][32] = {
+#define PAIR(i) 2 * (i), 2 * (i) + 1
+#define EIGHT(i) PAIR(i), PAIR(i), PAIR(i), PAIR(i), PAIR(i), PAIR(i), PAIR(i), PAIR(i)
+    {EIGHT(0), EIGHT(1)}, {EIGHT(2), EIGHT(3)}, {EIGHT(4), EIGHT(5)}, {EIGHT(6), EIGHT(7)}
+#undef EIGHT
+#undef PAIR
 };
+
+/* The bits of each byte of q that mask selects, after moving bit `from` to bit `to` (one shift and one
+ * and: bits never cross into the other byte of a 16-bit lane for the positions used here). */
+INLINE __m256i moved_bits(__m256i q, int from, int to, __m256i mask) {
+    return _mm256_and_si256(from >= to ? _mm256_srli_epi16(q, from - to) : _mm256_slli_epi16(q, to - from), mask);
+}
 
 /* A super-block's per-16 scales (as int8 bytes), their offset term -off sc and mins (int16). */
 typedef struct {
@@ -1231,22 +1239,22 @@ INLINE scales_k scales_for(int t, const uint8_t *b) {
 
 /* u of chunk 4h + j of super-block b (unpack_block_k's bytes 128h + 32j ..). */
 INLINE __m256i chunk_k(int t, const uint8_t *b, int h, int j) {
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     switch (t) {
     case Q4_K: case Q5_K: {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == Q4_K ? 16 : 48) + 64 * h + 32 * (j / 2)));
         const __m256i u = j % 2 ? bits(q, 4, m4) : _mm256_and_si256(q, m4);
         if (t == Q4_K) return u;
-        return _mm256_or_si256(u, _mm256_slli_epi16(bits(_mm256_loadu_si256((const __m256i *)(b + 16)), 4 * h + j, m1), 4));
+        return _mm256_or_si256(u, moved_bits(_mm256_loadu_si256((const __m256i *)(b + 16)), 4 * h + j, 4, _mm256_set1_epi8(16)));
     }
     case Q6_K: {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j % 2)));
         const __m256i hq = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        return _mm256_or_si256(j < 2 ? _mm256_and_si256(l, m4) : bits(l, 4, m4), _mm256_slli_epi16(bits(hq, 2 * j, m2), 4));
+        return _mm256_or_si256(j < 2 ? _mm256_and_si256(l, m4) : bits(l, 4, m4), moved_bits(hq, 2 * j, 4, _mm256_set1_epi8(0x30)));
     }
     case Q3_K: {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
-        return _mm256_or_si256(bits(q, 2 * j, m2), _mm256_slli_epi16(bits(_mm256_loadu_si256((const __m256i *)b), 4 * h + j, m1), 2));
+        return _mm256_or_si256(bits(q, 2 * j, m2), moved_bits(_mm256_loadu_si256((const __m256i *)b), 4 * h + j, 2, _mm256_set1_epi8(4)));
     }
     default: /* Q2_K */
         return bits(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h)), 2 * j, m2);
@@ -1272,14 +1280,16 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
         const uint8_t *blk = w + b * bb;
         ahead = prefetch_ahead(ahead, blk + bb);
         const scales_k s = scales_for(t, blk);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(s.sc);
+        const __m256i scale_half[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
         __m256i sum[4];
         for (int i = 0; i < nr; i++) sum[i] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 4; j += 2) {
                 const int c = 4 * h + j;
                 const __m256i u0 = chunk_k(t, blk, h, j), u1 = chunk_k(t, blk, h, j + 1);
-                const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s.sc, _mm_loadu_si128((const __m128i *)CHUNK_SCALE[c])));
-                const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s.sc, _mm_loadu_si128((const __m128i *)CHUNK_SCALE[c + 1])));
+                const __m256i sc0 = _mm256_shuffle_epi8(scale_half[h], _mm256_loadu_si256((const __m256i *)CHUNK_SCALE[j]));
+                const __m256i sc1 = _mm256_shuffle_epi8(scale_half[h], _mm256_loadu_si256((const __m256i *)CHUNK_SCALE[j + 1]));
                 for (int i = 0; i < nr; i++) {
                     const int8_t *q = qr[i] + QK * b + 32 * c;
                     const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)q)), sc0);
