@@ -12,6 +12,7 @@ so a traced step has no host synchronisation. Outside tracing, calls skip the di
     causal_conv1d, delta_rule_step              the Gated DeltaNet conv and one recurrent step
     deltanet_decode                             a DeltaNet layer's whole decode step (conv, rule, norm)
     route                                       softmax-top-k / top-k-softmax routing
+    rms_norm                                    RMSNorm over the last dimension, float32
 
 block_* take GGML blocks (uint8 [.., N, row bytes]) and, as raw2, optionally a second weight of the same
 format whose rows follow the first's in the output (a GGUF file's gate and up experts: one product).
@@ -332,3 +333,26 @@ def _(logits, k, softmax_first, renormalise):
 def _(logits, k, softmax_first, renormalise):
     shape = (*logits.shape[:-1], k)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+# ---- norms --------------------------------------------------------------------------------------------
+
+@_op("rms_norm")
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., K] float32 times rsqrt(mean(x^2) + eps) times weight [K] (kernels/norms.py)."""
+    from .norms import cpu_rms_norm
+    return cpu_rms_norm(x, weight, eps)
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    from .gpu_ops import use_triton
+    if use_triton("rms_norm", x):
+        from .triton import norms
+        return norms.rms_norm(x, weight.float(), eps)
+    return F.rms_norm(x, weight.shape, weight.float(), eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -186,6 +186,8 @@ def op_cases():
                                                    torch.rand(2, 3, generator=g), torch.randn(2, 3, 16, 16, generator=g)))],
         "deltanet_decode": [(ops.deltanet_decode, _deltanet_args())],
         "route": [(ops.route, (torch.randn(3, 8, generator=g), 2, first, first)) for first in (True, False)],
+        "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),
+                     (ops.rms_norm, (torch.randn(2, 3, 40, generator=g)[:, :, :37], torch.randn(37, generator=g), 1e-5))],
     }
 
 
