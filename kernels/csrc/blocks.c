@@ -1196,10 +1196,9 @@ INLINE __m256i moved_bits(__m256i q, int from, int to, __m256i mask) {
     return _mm256_and_si256(from >= to ? _mm256_srli_epi16(q, from - to) : _mm256_slli_epi16(q, to - from), mask);
 }
 
-/* A super-block's per-16 scales (as int8 bytes), their offset term -off sc and mins (int16). */
+/* A super-block's per-16 scales, their offset term -off sc and mins (int16). */
 typedef struct {
-    __m128i sc;
-    __m256i offsc, mn;
+    __m256i sc, offsc, mn;
     float dw, dm;
 } scales_k;
 
@@ -1210,25 +1209,25 @@ INLINE scales_k scales_for(int t, const uint8_t *b) {
     switch (t) {
     case Q4_K: case Q5_K: { /* each of the 8 scales and mins covers two 16s */
         const __m128i v = scale_min_bytes_k(b + 4);
-        s.sc = _mm_unpacklo_epi8(v, v);
+        s.sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
         s.mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
         s.dw = f16(rd16(b));
         s.dm = f16(rd16(b + 2));
         break;
     }
     case Q6_K:
-        s.sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        s.offsc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(s.sc), _mm256_set1_epi16(-32));
+        s.sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        s.offsc = _mm256_mullo_epi16(s.sc, _mm256_set1_epi16(-32));
         s.dw = f16(rd16(b + 208));
         break;
     case Q3_K:
-        s.sc = _mm_packs_epi16(_mm256_castsi256_si128(scales_q3_k(b + 96)), _mm256_extracti128_si256(scales_q3_k(b + 96), 1));
-        s.offsc = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(s.sc), _mm256_set1_epi16(-4));
+        s.sc = scales_q3_k(b + 96);
+        s.offsc = _mm256_mullo_epi16(s.sc, _mm256_set1_epi16(-4));
         s.dw = f16(rd16(b + 108));
         break;
     default: { /* Q2_K: scale in the low nibble, min in the high */
         const __m128i v = _mm_loadu_si128((const __m128i *)b);
-        s.sc = _mm_and_si128(v, _mm_set1_epi8(15));
+        s.sc = _mm256_cvtepu8_epi16(_mm_and_si128(v, _mm_set1_epi8(15)));
         s.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
         s.dw = f16(rd16(b + 80));
         s.dm = f16(rd16(b + 82));
@@ -1280,8 +1279,7 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
         const uint8_t *blk = w + b * bb;
         ahead = prefetch_ahead(ahead, blk + bb);
         const scales_k s = scales_for(t, blk);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(s.sc);
-        const __m256i scale_half[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
+        const __m256i scale_half[2] = {_mm256_permute2x128_si256(s.sc, s.sc, 0x00), _mm256_permute2x128_si256(s.sc, s.sc, 0x11)};
         __m256i sum[4];
         for (int i = 0; i < nr; i++) sum[i] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++)
