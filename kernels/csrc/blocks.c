@@ -1513,15 +1513,32 @@ static inline const uint8_t *weight_row(const weight_rows *w, int64_t g, int64_t
  * vector (exact: integers), so that the eight rows' scales, the conversion to float and the
  * multiply-add with the row's accumulator lane are one vector operation each, not eight. Every row
  * of every matrix goes through this function, alone or with others (rows past the last are copies
- * of it, their results dropped): a row's bits do not depend on its neighbours. */
+ * of it, their results dropped): a row's bits do not depend on its neighbours. The weights are looked up
+ * as value + 12 (unsigned, as maddubs wants them: no abs and sign per row) and the block's -12 sum(q)
+ * is added once for the eight rows; a row's nibbles come from one broadcast load and one shift. */
 INLINE __m256i lane_sums8(const __m256i *p) {
-    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+    /* per 128-bit lane: rows 0-3's sums, then rows 4-7's (unpacks and adds; hadd is several uops) */
+    __m256i s[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256i a = p[2 * j], b = p[2 * j + 1];
+        s[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    }
+    const __m256i lo = _mm256_add_epi32(_mm256_unpacklo_epi64(s[0], s[1]), _mm256_unpackhi_epi64(s[0], s[1]));
+    const __m256i hi = _mm256_add_epi32(_mm256_unpacklo_epi64(s[2], s[3]), _mm256_unpackhi_epi64(s[2], s[3]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+/* The 32 4-bit codes of the 16 bytes at qs, low nibbles then high: one broadcast load, one shift. */
+INLINE __m256i nibbles32_wide(const uint8_t *qs) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
 }
 
 static void mxfp4_rows8(const uint8_t *const *w, int count, const uint8_t *next, int64_t k, const int8_t *q,
-                        const float *dq, float *y) {
+                        const float *dq, const int32_t *corr, float *y) {
+    /* the values + 12 (unsigned, as maddubs takes them); the block's -12 * sum(q) added back once for all rows */
+    const __m256i values = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0, o = 0; b < k / 32; b++, o += 17) {
@@ -1531,16 +1548,15 @@ static void mxfp4_rows8(const uint8_t *const *w, int count, const uint8_t *next,
         __builtin_prefetch(ahead + 64, 0, 3);
         __builtin_prefetch(ahead + 135, 0, 3);
         __m256i p[8];
-        for (int j = 0; j < 8; j++) {
-            const __m256i ws = mxfp4_values(w[j] + o);
-            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws)), ones);
-        }
+        for (int j = 0; j < 8; j++)
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(values, nibbles32_wide(w[j] + o + 1)), xv), ones);
         /* e8m0_half of the eight scales */
         const __m256i e = _mm256_setr_epi32(w[0][o], w[1][o], w[2][o], w[3][o], w[4][o], w[5][o], w[6][o], w[7][o]);
         const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
         const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
         const __m256 dw = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums8(p)), _mm256_mul_ps(dw, _mm256_set1_ps(dq[b])), acc);
+        const __m256i sums = _mm256_add_epi32(lane_sums8(p), _mm256_set1_epi32(corr[b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(dq[b])), acc);
     }
     if (count == 8) {
         _mm256_storeu_ps(y, acc);
@@ -1559,7 +1575,8 @@ static void mxfp4_rows(const weight_rows *wr, int64_t g, int64_t r0, int64_t r1,
         const uint8_t *w[8];
         for (int j = 0; j < 8; j++) w[j] = weight_row(wr, g, r + (j < count ? j : count - 1));
         for (int64_t i = a; i < b; i++)
-            mxfp4_rows8(w, count, w[7] + wr->row_bytes, k, xq->q + i * xq->kq, xq->d + i * xq->nb, y + i * ldy + r);
+            mxfp4_rows8(w, count, w[7] + wr->row_bytes, k, xq->q + i * xq->kq, xq->d + i * xq->nb, xq->corr + i * xq->nb,
+                        y + i * ldy + r);
     }
 }
 #endif
