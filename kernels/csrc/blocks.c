@@ -168,6 +168,19 @@ static inline int q6_value(const uint8_t *b, int e) {
     return lo | hi << 4;
 }
 
+/* Weight row r of weight g when a weight's n rows are two weights' rows one after the other (a
+ * MoE's gate and up experts, read from the file apart): rows below n1 are raw + g * w_stride's,
+ * the rest raw2 + g * w_stride2's. With raw2 NULL, n1 is n: one weight. */
+typedef struct {
+    const uint8_t *raw, *raw2;
+    int64_t w_stride, w_stride2, n1, row_bytes;
+} weight_rows;
+
+static inline const uint8_t *weight_row(const weight_rows *w, int64_t g, int64_t r) {
+    return r < w->n1 ? w->raw + g * w->w_stride + r * w->row_bytes
+                     : w->raw2 + g * w->w_stride2 + (r - w->n1) * w->row_bytes;
+}
+
 /* ---- fast mode: activations quantised to int8 blocks -------------------------------------- */
 
 typedef struct {
@@ -1307,6 +1320,73 @@ INLINE void rows_k(int t, int nr, const uint8_t *w, int64_t k, const quantized_x
     for (int i = 0; i < nr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
+/* One activation row times the nw (1-4) weight rows w[0..nw), into y[0..nw): each row's operations are
+ * rows_k's with one activation row, in the same order (the same bits), with the rows side by side: the
+ * work per row around its few super-blocks (a call, the setup, the final sum) is shared, and the rows'
+ * independent chains overlap (decode's many short rows, e.g. Qwen3.5's experts' down of k = 512). */
+INLINE void rows_kw(int t, int nw, const uint8_t *const *w, int64_t k, const quantized_x *xq, int64_t row, float *y) {
+    const int bb = block_bytes(t);
+    const int8_t *qr = xq->q + row * xq->kq;
+    const int16_t *bsr = xq->bsum + row * (k / 16);
+    const float *dr = xq->d + row * xq->nb;
+    __m256 acc[4];
+    for (int r = 0; r < nw; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t *ahead = w[0] + PREFETCH_BYTES; /* the rows as one stream (they lie one after another) */
+    for (int64_t b = 0; b < k / QK; b++) {
+        ahead = prefetch_ahead(ahead, w[0] + nw * (b + 1) * bb);
+        const __m256i *xv = (const __m256i *)(qr + QK * b);
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsr + 16 * b));
+        const float dx = dr[b];
+        for (int r = 0; r < nw; r++) {
+            const uint8_t *blk = w[r] + b * bb;
+            const scales_k s = scales_for(t, blk);
+            const __m256i scale_half[2] = {_mm256_permute2x128_si256(s.sc, s.sc, 0x00), _mm256_permute2x128_si256(s.sc, s.sc, 0x11)};
+            __m256i sum = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j += 2) {
+                    const int c = 4 * h + j;
+                    const __m256i u0 = chunk_k(t, blk, h, j), u1 = chunk_k(t, blk, h, j + 1);
+                    const __m256i sc0 = _mm256_shuffle_epi8(scale_half[h], _mm256_loadu_si256((const __m256i *)CHUNK_SCALE[j]));
+                    const __m256i sc1 = _mm256_shuffle_epi8(scale_half[h], _mm256_loadu_si256((const __m256i *)CHUNK_SCALE[j + 1]));
+                    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256(xv + c)), sc0);
+                    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_loadu_si256(xv + c + 1)), sc1);
+                    sum = _mm256_add_epi32(sum, _mm256_add_epi32(p0, p1));
+                }
+            if (has_offset_k(t)) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(bs, s.offsc));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(s.dw * dx), acc[r]);
+            if (has_min_k(t))
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, s.mn)), _mm256_set1_ps(s.dm * dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < nw; r++) y[r] = hsum8(acc[r]);
+}
+
+/* rows_kw of type T for weight rows r0..r1 (see weight_rows) of group g, four at a time, then the 1-3 left. */
+typedef void (*rows_w_fn)(const weight_rows *wr, int64_t g, int64_t r0, int64_t r1, int64_t k, const quantized_x *xq,
+                          int64_t row, float *y);
+#define ROWS_W(T) static void rows_kw_##T(const weight_rows *wr, int64_t g, int64_t r0, int64_t r1, int64_t k, \
+                                          const quantized_x *xq, int64_t row, float *y) { \
+    const uint8_t *w[4]; \
+    for (int64_t r = r0; r < r1; r += 4) { \
+        const int nw = r1 - r < 4 ? (int)(r1 - r) : 4; \
+        for (int j = 0; j < nw; j++) w[j] = weight_row(wr, g, r + j); \
+        if (nw == 4) rows_kw(T, 4, w, k, xq, row, y + r); \
+        else if (nw == 3) rows_kw(T, 3, w, k, xq, row, y + r); \
+        else if (nw == 2) rows_kw(T, 2, w, k, xq, row, y + r); \
+        else rows_kw(T, 1, w, k, xq, row, y + r); } }
+
+ROWS_W(Q2_K) ROWS_W(Q3_K) ROWS_W(Q4_K) ROWS_W(Q5_K) ROWS_W(Q6_K)
+
+static rows_w_fn rows_w_kernel(int t) {
+    switch (t) {
+    case Q2_K: return rows_kw_Q2_K;
+    case Q3_K: return rows_kw_Q3_K;
+    case Q4_K: return rows_kw_Q4_K;
+    case Q5_K: return rows_kw_Q5_K;
+    default: return rows_kw_Q6_K;
+    }
+}
+
 /* The same for Q8_0, MXFP4 and Q4_0's 32-blocks: each block's signed weights u - off (as unpack_row_a
  * then dot_a take them) made in a register and dotted with up to four rows (dot_a's operations per row). */
 static int fused_a(int t) { return t == Q8_0 || t == MXFP4 || t == Q4_0; }
@@ -1493,19 +1573,6 @@ static void free_x(quantized_x *xq) {
     free(xq->lane_corr);
 }
 
-/* Weight row r of weight g when a weight's n rows are two weights' rows one after the other (a
- * MoE's gate and up experts, read from the file apart): rows below n1 are raw + g * w_stride's,
- * the rest raw2 + g * w_stride2's. With raw2 NULL, n1 is n: one weight. */
-typedef struct {
-    const uint8_t *raw, *raw2;
-    int64_t w_stride, w_stride2, n1, row_bytes;
-} weight_rows;
-
-static inline const uint8_t *weight_row(const weight_rows *w, int64_t g, int64_t r) {
-    return r < w->n1 ? w->raw + g * w->w_stride + r * w->row_bytes
-                     : w->raw2 + g * w->w_stride2 + (r - w->n1) * w->row_bytes;
-}
-
 #if ARCH == 1
 /* MXFP4 at one activation row, eight weight rows at once. One row at a time (rows_a) is bound by its
  * work per 17-byte block, not by memory (measured on a 2-core AVX2 EPYC: 7.8 GB/s at one thread where
@@ -1607,6 +1674,9 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
 #elif ARCH == 1
     const int fused = mode == 2 || (mode == 1 && fused_a(t)), buffered = !fused; /* fused: unpacked in registers */
     const rows_fn_avx2 rows_t = fused && t != MXFP4 ? rows_kernel(t) : NULL;
+    /* K-quants at one activation row with short weight rows: four rows side by side (longer rows lose there:
+     * their four streams lie far apart) */
+    const rows_w_fn rows_w = mode == 2 && k <= 4 * QK ? rows_w_kernel(t) : NULL;
 #else
     const int buffered = 1;
 #endif
@@ -1649,6 +1719,10 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
 #elif ARCH == 1
             if (fused && t == MXFP4) {
                 mxfp4_rows(&wr, group[0], r0, r1, k, &xq, group[1], group[2], y, ldy);
+                continue;
+            }
+            if (rows_w && group[2] - group[1] == 1) {
+                rows_w(&wr, group[0], r0, r1, k, &xq, group[1], y + group[1] * ldy);
                 continue;
             }
             if (fused) {
