@@ -163,6 +163,34 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
                                          _table(groups), len(groups), out.shape[1], k, out.data_ptr(), out.stride(0)))
 
 
+def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, experts: list[int], out: torch.Tensor,
+                 quantize_activations: bool, raw2: torch.Tensor | None = None) -> None:
+    """out[s] = x_s @ deq(raw[experts[s]] | raw2[experts[s]]).T for each slot s: a decode step's (token,
+    expert) slots, each a group of one row, as grouped_product computes them (the same call, the same
+    bits) at a fraction of its cost per call. x [1, k] is every slot's row, read in place (no copy per
+    slot); x [len(experts), k] gives one row per slot. raw [E, N, row_bytes]; raw2 as grouped_product's."""
+    _check_raw(raw, ggml_type, k, 3)
+    count, n = raw.shape[0], raw.shape[1]
+    if raw2 is not None:
+        _check_raw(raw2, ggml_type, k, 3)
+        if raw2.shape[0] != count:
+            raise ValueError(f"raw2 holds {raw2.shape[0]} weights, raw {count}")
+        n += raw2.shape[1]
+    slots = len(experts)
+    _check_rows(x, "x", None, k)
+    if x.shape[0] not in (1, slots):
+        raise ValueError(f"x has {x.shape[0]} rows for {slots} slots (1, or one per slot)")
+    _check_rows(out, "out", slots, n)
+    if not slots or not n:
+        return
+    if min(experts) < 0 or max(experts) >= count:
+        raise ValueError(f"expert ids {experts} out of range for {count} weights")
+    table = (ctypes.c_int64 * (3 * slots))(*[v for s, e in enumerate(experts) for v in (e, s, s + 1)])
+    _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), slots,
+                                         0 if x.shape[0] == 1 else x.stride(0), raw.data_ptr(), raw.stride(0),
+                                         *_second(raw2, raw), table, slots, n, k, out.data_ptr(), out.stride(0)))
+
+
 def _second(raw2: torch.Tensor | None, raw: torch.Tensor) -> tuple[int | None, int, int]:
     """The library's (raw2, its stride, rows taken from raw) arguments."""
     return (None, 0, raw.shape[-2]) if raw2 is None else (raw2.data_ptr(), raw2.stride(0), raw.shape[-2])

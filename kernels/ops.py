@@ -63,6 +63,10 @@ def _op(name: str, mutates: tuple = ()):
     return register
 
 
+# Up to this many rows, every block weight's product is the few-row kernel's one call (BlockWeight._few_rows)
+DECODE_ROWS = 8
+
+
 def _rows(raw: Tensor, raw2: Optional[Tensor]) -> int:
     return raw.shape[-2] + (0 if raw2 is None else raw2.shape[-2])
 
@@ -151,6 +155,12 @@ def _(x, ids, w, w2):
 def block_linear(x: Tensor, raw: Tensor, raw2: Optional[Tensor], ggml_type: int, k: int, quantize: bool) -> Tensor:
     """x [T, k] @ deq(raw [N, row bytes] | raw2 [N2, row bytes])^T -> [T, N + N2]. quantize: the fast mode
     (8-bit activations) where the format has one; otherwise exact float32."""
+    from . import blocks
+    if x.shape[0] <= DECODE_ROWS and blocks.library() is not None:     # BlockWeight's call, made straight
+        out = x.new_empty(x.shape[0], _rows(raw, raw2))
+        blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(), raw, ggml_type, k, [(0, 0, x.shape[0])],
+                               out, quantize, raw2)
+        return out
     w = _block_weight(raw, raw2, ggml_type, k, quantize)
     return w.linear(x, x.new_empty(x.shape[0], w.shape[-2]))
 
@@ -174,6 +184,14 @@ def block_slots(x: Tensor, ids: Tensor, raw: Tensor, raw2: Optional[Tensor], ggm
                 quantize: bool) -> Tensor:
     """Row t*K+j = x[t] @ deq(expert ids[t, j] of raw [E, N, row bytes] | raw2 [E, N2, row bytes])^T:
     x [T, k], ids int64 [T, K] -> [T*K, N + N2]."""
+    from . import blocks
+    if (ids.shape[0] == 1 or ids.shape[1] == 1) and blocks.library() is not None:
+        experts = ids.reshape(-1).tolist()
+        if len(set(experts)) == len(experts):   # _slots' groups of one slot each, x's rows read in place
+            out = x.new_empty(len(experts), _rows(raw, raw2))
+            blocks.slot_product(x if x.stride(-1) == 1 else x.contiguous(), raw, ggml_type, k, experts, out, quantize,
+                                raw2)
+            return out
     return _slots(_block_weight(raw, raw2, ggml_type, k, quantize), x, ids)
 
 

@@ -514,3 +514,30 @@ def test_bad_arguments_raise_value_error():
         blocks.grouped_many_rows(x, raw[None], T.Q4_K, k, [(0, 1, 3)], out)  # past the rows
     with pytest.raises(ValueError):
         blocks.grouped_many_rows(x, torch.zeros(1, 4, 2 * k, dtype=torch.uint8), T.F16, k, [(0, 0, 2)], out)
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q3_K, T.MXFP4, T.Q8_0, T.F16], ids=lambda t: t.name)
+def test_slot_product_gives_grouped_products_bits(variant, t):
+    """A decode step's slots (one token's distinct experts, or one row per slot) through slot_product,
+    which reads the token's row in place for every slot, give grouped_product's bits over the row
+    repeated, in both modes and with a second weight; bad expert ids and row counts are refused."""
+    n1, n2, k = 11, 5, 2 * 256
+    rng = np.random.default_rng(9100 + int(t))
+    raw = torch.stack([random_raw(rng, t, n1, k) for _ in range(6)])
+    raw2 = torch.stack([random_raw(rng, t, n2, k) for _ in range(6)])
+    experts = [4, 0, 5, 2]
+    groups = [(e, s, s + 1) for s, e in enumerate(experts)]
+    x = torch.randn(len(experts), k, generator=torch.Generator().manual_seed(int(t)))
+    for quantize in (True, False):
+        for second, n in ((None, n1), (raw2, n1 + n2)):
+            for rows in (x[:1], x):
+                want, got = torch.empty(len(experts), n), torch.empty(len(experts), n)
+                blocks.grouped_product(rows.expand(len(experts), k).contiguous(), raw, t, k, groups, want, quantize,
+                                       second)
+                blocks.slot_product(rows, raw, t, k, experts, got, quantize, second)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    out = torch.empty(len(experts), n1)
+    with pytest.raises(ValueError, match="out of range"):
+        blocks.slot_product(x[:1], raw, t, k, [0, 6, 1, 2], out, True)
+    with pytest.raises(ValueError, match="rows for 4 slots"):
+        blocks.slot_product(x[:2], raw, t, k, experts, out, True)
