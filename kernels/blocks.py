@@ -58,6 +58,10 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_set_amx.argtypes = [c]
     lib.raymoe_blocks_set_amx.restype = c
     lib.raymoe_blocks_amx_min_rows.restype = c
+    lib.raymoe_moe_combine.argtypes = [i, i, i, p, p, p, i, p, p]
+    lib.raymoe_moe_combine.restype = None
+    lib.raymoe_moe_down.argtypes = [c, c, p, i, i, p, i, p, i, p, c, c, p, i, p, p, p, p]
+    lib.raymoe_moe_down.restype = c
     lib.sgemm = native._numpy_sgemm()
     _start_amx(lib)
     return lib
@@ -189,6 +193,61 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
     _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), slots,
                                          0 if x.shape[0] == 1 else x.stride(0), raw.data_ptr(), raw.stride(0),
                                          *_second(raw2, raw), table, slots, n, k, out.data_ptr(), out.stride(0)))
+
+
+def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | None,
+                shared: torch.Tensor | None, out: torch.Tensor) -> None:
+    """ops.moe_combine's CPU call: rows [T*k, H], weights [T, k], shared and out [T, H] contiguous float32;
+    gate [T, 1] (any row stride) with shared, or neither."""
+    T, k = weights.shape
+    h = rows.shape[-1]
+    _check_rows(rows, "rows", T * k, h)
+    _check_rows(out, "out", T, h)
+    if (gate is None) != (shared is None):
+        raise ValueError("the shared expert's gate and output come together")
+    if gate is not None:
+        _check_rows(shared, "shared", T, h)
+        if gate.dtype != torch.float32 or gate.shape != (T, 1):
+            raise ValueError(f"gate must be float32 [{T}, 1], got {gate.dtype} {tuple(gate.shape)}")
+    lib.raymoe_moe_combine(T, k, h, rows.data_ptr(), weights.data_ptr(), None if gate is None else gate.data_ptr(),
+                           0 if gate is None else gate.stride(0), None if shared is None else shared.data_ptr(),
+                           out.data_ptr())
+
+
+def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: torch.Tensor, ggml_type: int,
+             quantize_activations: bool, shared_act: torch.Tensor | None, shared_raw: torch.Tensor | None,
+             shared_type: int, shared_quantize: bool, gate: torch.Tensor | None) -> torch.Tensor:
+    """ops.moe_down's CPU call (see there): one token's k slots, k <= 64."""
+    k, ff = act.shape
+    _check_raw(raw, ggml_type, ff, 3)
+    h = raw.shape[1]
+    if not 0 < k <= 64 or len(experts) != k or weights.shape != (1, k) or weights.dtype != torch.float32:
+        raise ValueError(f"moe_down takes one token's 1-64 slots, got act {tuple(act.shape)}, {len(experts)} "
+                         f"experts, weights {tuple(weights.shape)}")
+    if min(experts) < 0 or max(experts) >= raw.shape[0]:
+        raise ValueError(f"expert ids {experts} out of range for {raw.shape[0]} weights")
+    _check_rows(act, "act", k, ff)
+    if act.stride(0) != ff:
+        act = act.contiguous()
+    if (shared_act is None) != (shared_raw is None) or (shared_act is None) != (gate is None):
+        raise ValueError("the shared expert's activations, weight and gate come together")
+    sff = 0
+    if shared_act is not None:
+        sff = shared_act.shape[-1]
+        _check_raw(shared_raw, shared_type, sff, 2)
+        _check_rows(shared_act, "shared_act", 1, sff)
+        if shared_raw.shape[0] != h or gate.dtype != torch.float32 or gate.numel() != 1:
+            raise ValueError(f"the shared expert's down has {shared_raw.shape[0]} rows for {h}, "
+                             f"gate {tuple(gate.shape)}")
+    table, weights = (ctypes.c_int64 * k)(*experts), weights.contiguous()
+    scratch, out = act.new_empty((k + 1) * h), act.new_empty(1, h)
+    _status(_lib().raymoe_moe_down(int(ggml_type), 1 if quantize_activations else 0, act.data_ptr(), k, ff,
+                                   raw.data_ptr(), raw.stride(0), table, h, weights.data_ptr(),
+                                   int(shared_type), 1 if shared_quantize else 0,
+                                   None if shared_act is None else shared_act.data_ptr(), sff,
+                                   None if shared_raw is None else shared_raw.data_ptr(),
+                                   None if gate is None else gate.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+    return out
 
 
 def _second(raw2: torch.Tensor | None, raw: torch.Tensor) -> tuple[int | None, int, int]:

@@ -122,17 +122,17 @@ def _plan(ids: torch.Tensor, experts: range) -> tuple[list[int], list[tuple[int,
     return order, groups
 
 
-def combine_slots(slots: torch.Tensor | None, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_slots(slots: torch.Tensor | None, rows: torch.Tensor, weights: torch.Tensor,
+                  shared_gate: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Routing-weighted sum over each token's k slots, always in slot order: the result does not
-    depend on which process computed which expert. slots None: rows holds every slot, in order."""
+    depend on which process computed which expert. slots None: rows holds every slot, in order.
+    With a shared expert: plus sigmoid(shared_gate [T, 1]) * shared [T, H] (ops.moe_combine)."""
     T, k = weights.shape
-    if slots is None:
-        y = rows
-    else:
+    if slots is not None:
         # slots are distinct: when every slot has a row, each one is written and none needs zeroing
         y = rows.new_empty(T * k, rows.shape[-1]) if len(slots) == T * k else rows.new_zeros(T * k, rows.shape[-1])
-        y.index_copy_(0, slots, rows)
-    return y.view(T, k, -1).mul_(weights[..., None].to(y.dtype)).sum(1)
+        rows = y.index_copy_(0, slots, rows)
+    return ops.moe_combine(rows, weights, shared_gate, shared)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

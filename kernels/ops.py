@@ -13,6 +13,8 @@ so a traced step has no host synchronisation. Outside tracing, calls skip the di
     deltanet_decode                             a DeltaNet layer's whole decode step (conv, rule, norm)
     route                                       softmax-top-k / top-k-softmax routing
     rms_norm                                    RMSNorm over the last dimension, float32
+    moe_combine, moe_down                       the routed experts' weighted sum (and the gated shared
+                                                expert); one token's down products and that sum, one call
 
 block_* take GGML blocks (uint8 [.., N, row bytes]) and, as raw2, optionally a second weight of the same
 format whose rows follow the first's in the output (a GGUF file's gate and up experts: one product).
@@ -329,6 +331,60 @@ def _(qkv, z, beta, alpha, conv_states, states, conv, taps, a, dt_bias, norm, ep
 def _deltanet(conv, taps, a, dt_bias, norm, eps, nk, nv, dk, dv):
     from .deltanet import GatedDeltaNet
     return GatedDeltaNet(conv, a, dt_bias, norm, eps, nk, nv, dk, dv, taps)
+
+
+# ---- the end of a MoE layer ---------------------------------------------------------------------------
+
+@_op("moe_combine")
+def moe_combine(rows: Tensor, weights: Tensor, gate: Optional[Tensor], shared: Optional[Tensor]) -> Tensor:
+    """Row t = sum over j of weights[t, j] * rows[t*k + j] (j in order), plus sigmoid(gate[t]) * shared[t]
+    where gate [T, 1] and shared [T, H] are given: rows [T*k, H] -> [T, H], float32. On the CPU one call
+    of kernels/csrc/blocks.c (moe_down's end: the same bits), else torch's operations."""
+    from . import blocks
+    lib = blocks.library()
+    if lib is None:
+        return _torch_combine(rows, weights, gate, shared)
+    T, k = weights.shape
+    rows, weights = rows.contiguous(), weights.float().contiguous()
+    shared = None if shared is None else shared.contiguous()
+    out = rows.new_empty(T, rows.shape[-1])
+    if T:
+        blocks.moe_combine(lib, rows, weights, gate, shared, out)
+    return out
+
+
+@moe_combine.register_kernel("cuda")
+def _(rows, weights, gate, shared):
+    return _torch_combine(rows, weights, gate, shared)
+
+
+@moe_combine.register_fake
+def _(rows, weights, gate, shared):
+    return rows.new_empty(weights.shape[0], rows.shape[-1])
+
+
+def _torch_combine(rows, weights, gate, shared):
+    T, k = weights.shape
+    y = rows.reshape(T, k, -1).mul(weights[..., None].to(rows.dtype)).sum(1)
+    return y if gate is None else y + torch.sigmoid(gate) * shared
+
+
+@_op("moe_down")
+def moe_down(act: Tensor, ids: Tensor, weights: Tensor, raw: Tensor, ggml_type: int, quantize: bool,
+             shared_act: Optional[Tensor], shared_raw: Optional[Tensor], shared_type: int, shared_quantize: bool,
+             gate: Optional[Tensor]) -> Tensor:
+    """One token's end of a MoE layer, CPU only, in one call: row j of act [k, F] through down expert ids[0, j]
+    of raw [E, H, row bytes], the shared expert's down (shared_raw [H, row bytes]) of shared_act [1, S]
+    when given, then moe_combine with gate [1, 1] -> [1, H]. The same bits as block_slots, block_linear
+    and moe_combine called one after another (kernels/csrc/blocks.c raymoe_moe_down)."""
+    from . import blocks
+    return blocks.moe_down(act, ids.reshape(-1).tolist(), weights, raw, ggml_type, quantize, shared_act, shared_raw,
+                           shared_type, shared_quantize, gate)
+
+
+@moe_down.register_fake
+def _(act, ids, weights, raw, ggml_type, quantize, shared_act, shared_raw, shared_type, shared_quantize, gate):
+    return act.new_empty(1, raw.shape[-2])
 
 
 # ---- routing ------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ from typing import Callable
 
 import torch
 
-from kernels.linear import linear
-from kernels.moe import combine_slots, expert_slot_outputs, swiglu
-from kernels.pointwise import sigmoid
+from kernels import blocks, ops
+from kernels.linear import linear, slot_linear
+from kernels.moe import CPU_SLOT_PRODUCTS, combine_slots, expert_slot_outputs, swiglu
+from kernels.weights import BlockWeight
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,23 @@ class MoESpec:
         if self.bias:
             gate_up_bias = torch.cat((w(p + "ffn_gate_exps.bias", experts), w(p + "ffn_up_exps.bias", experts)), 1)
             down_bias = w(p + "ffn_down_exps.bias", experts)
-        return lambda x, ids: expert_slot_outputs(x, ids, gate_up, down, self.activation, gate_up_bias, down_bias,
-                                                  experts=experts)
+        return LocalExperts(gate_up, down, self.activation, gate_up_bias, down_bias, experts)
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """The routed experts a process holds (all of a layer's, or an expert actor's slice), as a function
+    (x, ids) -> (slots, rows): see kernels.moe.expert_slot_outputs."""
+    gate_up: object
+    down: object
+    activation: Callable
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    experts: range | None
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor):
+        return expert_slot_outputs(x, ids, self.gate_up, self.down, self.activation, self.gate_up_bias,
+                                   self.down_bias, experts=self.experts)
 
 
 class MoE:
@@ -67,14 +83,30 @@ class MoE:
                        w.matrix(p + "ffn_up_shexp.weight")]
             self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
         self.inputs = w.join(inputs)
+        self.one_call = self._one_call_down()
+
+    def _one_call_down(self) -> bool:
+        """Whether one token's down products, shared expert and weighted sum can be one call (ops.moe_down):
+        on the CPU with the block kernels, all of the layer's experts here, GGML-block weights, no biases."""
+        experts, shared = self.experts, getattr(self, "shared_down", None)
+        return (isinstance(experts, LocalExperts) and experts.experts is None and not self.spec.bias
+                and isinstance(experts.down, BlockWeight) and experts.down.raw.is_cpu
+                and (shared is None or isinstance(shared, BlockWeight) and shared.raw.is_cpu)
+                and self.spec.n_used <= CPU_SLOT_PRODUCTS and blocks.library() is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         logits = linear(x, self.inputs, self.router_bias)
+        shared_gate = shared_gate_up = None
         if s.shared_ff:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
-        y = combine_slots(*self.experts(x, ids), weights)
-        if s.shared_ff:
-            y = y + sigmoid(shared_gate) * linear(s.activation(shared_gate_up), self.shared_down)
-        return y
+        if self.one_call and x.shape[0] == 1:      # a decode step's token: the same bits as below, fewer calls
+            down, shared = self.experts.down, getattr(self, "shared_down", None)
+            return ops.moe_down(s.activation(slot_linear(x, self.experts.gate_up, ids)), ids, weights, down.raw,
+                                down.type, down.quantize_activations,
+                                None if shared is None else s.activation(shared_gate_up),
+                                None if shared is None else shared.raw, 0 if shared is None else shared.type,
+                                shared is not None and shared.quantize_activations, shared_gate)
+        shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
+        return combine_slots(*self.experts(x, ids), weights, shared_gate, shared)

@@ -541,3 +541,48 @@ def test_slot_product_gives_grouped_products_bits(variant, t):
         blocks.slot_product(x[:1], raw, t, k, [0, 6, 1, 2], out, True)
     with pytest.raises(ValueError, match="rows for 4 slots"):
         blocks.slot_product(x[:2], raw, t, k, experts, out, True)
+
+
+@pytest.mark.parametrize("t, shared_t", [(T.Q3_K, T.Q4_K), (T.MXFP4, T.Q8_0), (T.Q8_0, T.F16)], ids=lambda t: t.name)
+def test_moe_down_gives_the_separate_calls_bits(variant, t, shared_t):
+    """One token's down products, shared expert and weighted sum in one call (ops.moe_down, a decode step's
+    MoE) equal block_slots, block_linear and moe_combine one after another, bit for bit, in both modes, with
+    and without a shared expert; bad expert ids and a shared expert without its gate are refused."""
+    from kernels import ops
+    h, ff, sff, k = 13, 256, 512, 4
+    rng = np.random.default_rng(9300 + int(t))
+    down = torch.stack([random_raw(rng, t, h, ff) for _ in range(6)])
+    shared_down = random_raw(rng, shared_t, h, sff)
+    g = torch.Generator().manual_seed(int(t))
+    act, shared_act = torch.randn(k, ff, generator=g), torch.randn(1, sff, generator=g)
+    ids, weights, gate = torch.tensor([[5, 1, 3, 0]]), torch.rand(1, k, generator=g), torch.randn(1, 1, generator=g)
+    for quantize in (True, False):
+        rows = ops.block_slots(act, ids.reshape(-1, 1), down, None, t, ff, quantize)
+        shared = ops.block_linear(shared_act, shared_down, None, shared_t, sff, quantize)
+        with_shared = (shared_act, shared_down, shared_t, quantize, gate)
+        for want, args in ((ops.moe_combine(rows, weights, gate, shared), with_shared),
+                           (ops.moe_combine(rows, weights, None, None), (None, None, 0, False, None))):
+            got = ops.moe_down(act, ids, weights, down, t, quantize, *args)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        ops.moe_down(act, torch.tensor([[5, 1, 6, 0]]), weights, down, t, True, None, None, 0, False, None)
+    with pytest.raises(ValueError, match="come together"):
+        ops.moe_down(act, ids, weights, down, t, True, shared_act, shared_down, shared_t, True, None)
+
+
+def test_moe_combine_sums_slots_in_order():
+    """The weighted sum adds each token's slots in slot order (each product rounded first) and then the
+    gated shared expert, for any width (torch's own sum reorders some, e.g. 8 slots of 100 values);
+    within float32 rounding of torch's formula."""
+    from kernels import ops
+    g = torch.Generator().manual_seed(5)
+    for T_, k, h in ((1, 8, 2048), (3, 8, 100), (2, 4, 2880), (5, 1, 7)):
+        rows, weights = torch.randn(T_ * k, h, generator=g) * 10, torch.rand(T_, k, generator=g)
+        gate, shared = torch.randn(T_, 1, generator=g), torch.randn(T_, h, generator=g)
+        products = rows.view(T_, k, h) * weights[..., None]
+        want = products[:, 0]
+        for j in range(1, k):
+            want = want + products[:, j]
+        assert torch.equal(ops.moe_combine(rows, weights, None, None), want)
+        got = ops.moe_combine(rows, weights, gate, shared)
+        assert torch.allclose(got, want + torch.sigmoid(gate) * shared, rtol=1e-6, atol=1e-5)

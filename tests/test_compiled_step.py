@@ -186,6 +186,13 @@ def op_cases():
                                                    torch.rand(2, 3, generator=g), torch.randn(2, 3, 16, 16, generator=g)))],
         "deltanet_decode": [(ops.deltanet_decode, _deltanet_args())],
         "route": [(ops.route, (torch.randn(3, 8, generator=g), 2, first, first)) for first in (True, False)],
+        "moe_combine": [(ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g), None, None)),
+                        (ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g),
+                                           torch.randn(3, 1, generator=g), torch.randn(3, 64, generator=g)))],
+        "moe_down": [(ops.moe_down, (torch.randn(2, 64, generator=g), ids[:1], torch.rand(1, 2, generator=g), q8,
+                                     T.Q8_0, quantize, shared, None if shared is None else q8[1], T.Q8_0, quantize,
+                                     None if shared is None else torch.randn(1, 1, generator=g)))
+                     for quantize, shared in ((False, None), (True, torch.randn(1, 64, generator=g)))],
         "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),
                      (ops.rms_norm, (torch.randn(2, 3, 40, generator=g)[:, :, :37], torch.randn(37, generator=g), 1e-5))],
     }
@@ -205,9 +212,9 @@ def _clone(args):
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-@pytest.mark.parametrize("name", sorted(set(CASES) - {"int8_linear", "int8_slots"}))
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"int8_linear", "int8_slots", "moe_down"}))
 def test_cuda_implementation_in_the_triton_interpreter(name):
-    """Each op's CUDA implementation (Triton kernels; int8 is a CPU mode), run on CPU tensors in Triton's
+    """Each op's CUDA implementation (Triton kernels; int8 and moe_down are CPU-only), run on CPU tensors in Triton's
     interpreter, agrees with its CPU implementation, mutated caches included (the fast mode is a CPU one:
     the GPU multiplies exactly)."""
     for op, args in CASES[name]:

@@ -17,6 +17,7 @@
  * where the compiler targets AMX (__AMX_TILE__, __AMX_INT8__), many-row products on AMX tiles
  * when raymoe_blocks_set_amx turns them on, with the same results as VNNI.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -2380,4 +2381,55 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
     free(first);
     free(packed);
     return failed ? -1 : 0;
+}
+
+/* ---- the end of a MoE layer's decode ---------------------------------------------------------------- */
+
+/* out[t] = sum over j of w[t, j] * rows[t k + j] (j in order, each product rounded before it is added),
+ * then, where gate is given, plus sigmoid(gate[t ldg]) * shared[t] (sigmoid as 1 / (1 + exp(-g))). rows
+ * [T k, h], shared and out [T, h], contiguous. One element at a time in a fixed order: the result does not
+ * depend on T, on the thread count or on the build's vector width. */
+void raymoe_moe_combine(int64_t tokens, int64_t k, int64_t h, const float *rows, const float *w, const float *gate,
+                        int64_t ldg, const float *shared, float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *y = out + t * h;
+        const float *r = rows + t * k * h, *wt = w + t * k;
+        for (int64_t i = 0; i < h; i++) y[i] = wt[0] * r[i];
+        for (int64_t j = 1; j < k; j++)
+            for (int64_t i = 0; i < h; i++) y[i] += wt[j] * r[j * h + i];
+        if (gate) {
+            const float s = 1.0f / (1.0f + expf(-gate[t * ldg])), *d = shared + t * h;
+            for (int64_t i = 0; i < h; i++) y[i] += s * d[i];
+        }
+    }
+}
+
+/* One token's routed experts after their activation, in one call: rows j = act[j] times the transpose of
+ * expert experts[j] of the down stack (type t, [E, h rows of ff], w_stride bytes apart), the shared
+ * expert's down (type ts, [h rows of sff]) times shared_act when given, then raymoe_moe_combine. The
+ * products are raymoe_blocks_grouped's calls for the same slots (the same bits); quantize and
+ * quantize_shared: each weight's mode. k: 1 to 64. scratch: (k + 1) h floats. Returns 0, or -1 when out of
+ * memory (or k is out of range). */
+int raymoe_moe_down(int t, int quantize, const float *act, int64_t k, int64_t ff, const uint8_t *down,
+                    int64_t w_stride, const int64_t *experts, int64_t h, const float *w, int ts, int quantize_shared,
+                    const float *shared_act, int64_t sff, const uint8_t *shared_down, const float *gate,
+                    float *scratch, float *out) {
+    int64_t groups[3 * 64];
+    if (k < 1 || k > 64) return -1;
+    for (int64_t j = 0; j < k; j++) {
+        groups[3 * j] = experts[j];
+        groups[3 * j + 1] = j;
+        groups[3 * j + 2] = j + 1;
+    }
+    float *rows = scratch, *shared = scratch + k * h;
+    if (raymoe_blocks_grouped(t, quantize, act, k, ff, down, w_stride, NULL, 0, h, groups, k, h, ff, rows, h))
+        return -1;
+    if (shared_act) {
+        const int64_t one[3] = {0, 0, 1};
+        if (raymoe_blocks_grouped(ts, quantize_shared, shared_act, 1, sff, shared_down, 0, NULL, 0, h, one, 1, h, sff,
+                                  shared, h))
+            return -1;
+    }
+    raymoe_moe_combine(1, k, h, rows, w, shared_act ? gate : NULL, 1, shared, out);
+    return 0;
 }
