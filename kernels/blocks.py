@@ -60,7 +60,7 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_amx_min_rows.restype = c
     lib.raymoe_moe_combine.argtypes = [i, i, i, p, p, p, i, p, p]
     lib.raymoe_moe_combine.restype = None
-    lib.raymoe_moe_down.argtypes = [c, c, p, i, i, p, i, p, i, p, c, c, p, i, p, p, p, p]
+    lib.raymoe_moe_down.argtypes = [c, c, p, i, i, p, i, p, i, p, p, c, c, p, i, p, p, p, p]
     lib.raymoe_moe_down.restype = c
     lib.sgemm = native._numpy_sgemm()
     _start_amx(lib)
@@ -215,7 +215,8 @@ def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gat
 
 
 def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: torch.Tensor, ggml_type: int,
-             quantize_activations: bool, shared_act: torch.Tensor | None, shared_raw: torch.Tensor | None,
+             quantize_activations: bool, down_bias: torch.Tensor | None, shared_act: torch.Tensor | None,
+             shared_raw: torch.Tensor | None,
              shared_type: int, shared_quantize: bool, gate: torch.Tensor | None) -> torch.Tensor:
     """ops.moe_down's CPU call (see there): one token's k slots, k <= 64."""
     k, ff = act.shape
@@ -226,6 +227,10 @@ def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: 
                          f"experts, weights {tuple(weights.shape)}")
     if min(experts) < 0 or max(experts) >= raw.shape[0]:
         raise ValueError(f"expert ids {experts} out of range for {raw.shape[0]} weights")
+    if down_bias is not None and (down_bias.dtype != torch.float32 or down_bias.shape != (raw.shape[0], h)
+                                  or not down_bias.is_contiguous()):
+        raise ValueError(f"down_bias must be contiguous float32 [{raw.shape[0]}, {h}], got {down_bias.dtype} "
+                         f"{tuple(down_bias.shape)}")
     _check_rows(act, "act", k, ff)
     if act.stride(0) != ff:
         act = act.contiguous()
@@ -242,7 +247,8 @@ def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: 
     table, weights = (ctypes.c_int64 * k)(*experts), weights.contiguous()
     scratch, out = act.new_empty((k + 1) * h), act.new_empty(1, h)
     _status(_lib().raymoe_moe_down(int(ggml_type), 1 if quantize_activations else 0, act.data_ptr(), k, ff,
-                                   raw.data_ptr(), raw.stride(0), table, h, weights.data_ptr(),
+                                   raw.data_ptr(), raw.stride(0), table, h,
+                                   None if down_bias is None else down_bias.data_ptr(), weights.data_ptr(),
                                    int(shared_type), 1 if shared_quantize else 0,
                                    None if shared_act is None else shared_act.data_ptr(), sff,
                                    None if shared_raw is None else shared_raw.data_ptr(),

@@ -87,10 +87,11 @@ class MoE:
 
     def _one_call_down(self) -> bool:
         """Whether one token's down products, shared expert and weighted sum can be one call (ops.moe_down):
-        on the CPU with the block kernels, all of the layer's experts here, GGML-block weights, no biases."""
+        on the CPU with the block kernels, all of the layer's experts here, GGML-block weights."""
         experts, shared = self.experts, getattr(self, "shared_down", None)
-        return (isinstance(experts, LocalExperts) and experts.experts is None and not self.spec.bias
+        return (isinstance(experts, LocalExperts) and experts.experts is None
                 and isinstance(experts.down, BlockWeight) and experts.down.raw.is_cpu
+                and (experts.down_bias is None or experts.down_bias.is_contiguous())
                 and (shared is None or isinstance(shared, BlockWeight) and shared.raw.is_cpu)
                 and self.spec.n_used <= CPU_SLOT_PRODUCTS and blocks.library() is not None)
 
@@ -102,9 +103,10 @@ class MoE:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
         if self.one_call and x.shape[0] == 1:      # a decode step's token: the same bits as below, fewer calls
-            down, shared = self.experts.down, getattr(self, "shared_down", None)
-            return ops.moe_down(s.activation(slot_linear(x, self.experts.gate_up, ids)), ids, weights, down.raw,
-                                down.type, down.quantize_activations,
+            experts, shared = self.experts, getattr(self, "shared_down", None)
+            act = s.activation(slot_linear(x, experts.gate_up, ids, experts.gate_up_bias))
+            return ops.moe_down(act, ids, weights, experts.down.raw, experts.down.type,
+                                experts.down.quantize_activations, experts.down_bias,
                                 None if shared is None else s.activation(shared_gate_up),
                                 None if shared is None else shared.raw, 0 if shared is None else shared.type,
                                 shared is not None and shared.quantize_activations, shared_gate)

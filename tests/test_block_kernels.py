@@ -545,9 +545,10 @@ def test_slot_product_gives_grouped_products_bits(variant, t):
 
 @pytest.mark.parametrize("t, shared_t", [(T.Q3_K, T.Q4_K), (T.MXFP4, T.Q8_0), (T.Q8_0, T.F16)], ids=lambda t: t.name)
 def test_moe_down_gives_the_separate_calls_bits(variant, t, shared_t):
-    """One token's down products, shared expert and weighted sum in one call (ops.moe_down, a decode step's
-    MoE) equal block_slots, block_linear and moe_combine one after another, bit for bit, in both modes, with
-    and without a shared expert; bad expert ids and a shared expert without its gate are refused."""
+    """One token's down products (with gpt-oss's biases or without), shared expert and weighted sum in one call
+    (ops.moe_down, a decode step's MoE) equal block_slots, the bias, block_linear and moe_combine one after
+    another, bit for bit, in both modes, with and without a shared expert; bad expert ids and a shared expert
+    without its gate are refused."""
     from kernels import ops
     h, ff, sff, k = 13, 256, 512, 4
     rng = np.random.default_rng(9300 + int(t))
@@ -556,18 +557,22 @@ def test_moe_down_gives_the_separate_calls_bits(variant, t, shared_t):
     g = torch.Generator().manual_seed(int(t))
     act, shared_act = torch.randn(k, ff, generator=g), torch.randn(1, sff, generator=g)
     ids, weights, gate = torch.tensor([[5, 1, 3, 0]]), torch.rand(1, k, generator=g), torch.randn(1, 1, generator=g)
-    for quantize in (True, False):
+    for quantize, bias in ((True, None), (False, None), (True, torch.randn(6, h, generator=g))):
         rows = ops.block_slots(act, ids.reshape(-1, 1), down, None, t, ff, quantize)
+        if bias is not None:
+            rows.add_(bias.index_select(0, ids.reshape(-1)))       # kernels.linear.slot_linear's bias
         shared = ops.block_linear(shared_act, shared_down, None, shared_t, sff, quantize)
         with_shared = (shared_act, shared_down, shared_t, quantize, gate)
         for want, args in ((ops.moe_combine(rows, weights, gate, shared), with_shared),
                            (ops.moe_combine(rows, weights, None, None), (None, None, 0, False, None))):
-            got = ops.moe_down(act, ids, weights, down, t, quantize, *args)
+            got = ops.moe_down(act, ids, weights, down, t, quantize, bias, *args)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="out of range"):
-        ops.moe_down(act, torch.tensor([[5, 1, 6, 0]]), weights, down, t, True, None, None, 0, False, None)
+        ops.moe_down(act, torch.tensor([[5, 1, 6, 0]]), weights, down, t, True, None, None, None, 0, False, None)
     with pytest.raises(ValueError, match="come together"):
-        ops.moe_down(act, ids, weights, down, t, True, shared_act, shared_down, shared_t, True, None)
+        ops.moe_down(act, ids, weights, down, t, True, None, shared_act, shared_down, shared_t, True, None)
+    with pytest.raises(ValueError, match="down_bias must be"):
+        ops.moe_down(act, ids, weights, down, t, True, torch.randn(5, h), None, None, 0, False, None)
 
 
 def test_moe_combine_sums_slots_in_order():

@@ -190,7 +190,8 @@ def op_cases():
                         (ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g),
                                            torch.randn(3, 1, generator=g), torch.randn(3, 64, generator=g)))],
         "moe_down": [(ops.moe_down, (torch.randn(2, 64, generator=g), ids[:1], torch.rand(1, 2, generator=g), q8,
-                                     T.Q8_0, quantize, shared, None if shared is None else q8[1], T.Q8_0, quantize,
+                                     T.Q8_0, quantize, torch.randn(4, 8, generator=g) if shared is None else None,
+                                     shared, None if shared is None else q8[1], T.Q8_0, quantize,
                                      None if shared is None else torch.randn(1, 1, generator=g)))
                      for quantize, shared in ((False, None), (True, torch.randn(1, 64, generator=g)))],
         "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),

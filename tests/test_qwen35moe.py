@@ -95,23 +95,3 @@ def test_fused_experts_multimodal_and_sharded_layouts(hf_model, prompt, tmp_path
             shutil.copy(os.path.join(src, f), tmp_path / f)
     assert max_logprob_error(open_model(str(tmp_path)), model, prompt) < TOL
 
-
-@pytest.mark.parametrize("mode", ["auto", "float32"])
-def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, mode):
-    """A quantised file's decode steps at batch 1 end each MoE layer in one call (ops.moe_down: the routed
-    experts' down products, the shared expert, the weighted sum); the tokens and logprobs are those of the
-    separate calls, bit for bit."""
-    from kernels import ops
-    from stages import moe
-    from tools.make_tiny import make_tiny
-    path = make_tiny("qwen35moe", str(tmp_path), gguf_type="q8_0")
-    prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(3)).tolist()
-    calls = []
-    one_call = ops.moe_down
-    monkeypatch.setattr(ops, "moe_down", lambda *args: calls.append(1) or one_call(*args))
-    fused = run(open_model(path), prompt, mode=mode, max_tokens=8, logprobs=3)
-    n = len(calls)
-    assert n >= 7 * open_model(path).n_layers         # every layer of every decode step
-    monkeypatch.setattr(moe.MoE, "_one_call_down", lambda self: False)
-    separate = run(open_model(path), prompt, mode=mode, max_tokens=8, logprobs=3)
-    assert len(calls) == n and fused == separate
