@@ -13,6 +13,7 @@ so a traced step has no host synchronisation. Outside tracing, calls skip the di
     deltanet_decode                             a DeltaNet layer's whole decode step (conv, rule, norm)
     route                                       softmax-top-k / top-k-softmax routing
     rms_norm                                    RMSNorm over the last dimension, float32
+    rope                                        NeoX rotary embedding of each head's leading values
     moe_combine, moe_down                       the routed experts' weighted sum (and the gated shared
                                                 expert); one token's down products and that sum, one call
 
@@ -409,6 +410,27 @@ def _(logits, k, softmax_first, renormalise):
 def _(logits, k, softmax_first, renormalise):
     shape = (*logits.shape[:-1], k)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------
+
+@_op("rope")
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NeoX rotary embedding of the first cos.shape[-1] values of each head: x [T, H, D] float32, cos and sin
+    [T, rd] -> [T, H, D] (kernels/rope.py)."""
+    from .rope import cpu_rope
+    return cpu_rope(x, cos, sin)
+
+
+@rope.register_kernel("cuda")
+def _(x, cos, sin):
+    from .rope import torch_rope
+    return torch_rope(x, cos, sin)
+
+
+@rope.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x)
 
 
 # ---- norms --------------------------------------------------------------------------------------------

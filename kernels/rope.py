@@ -6,9 +6,16 @@ components are equal and it reduces to plain partial RoPE.
 """
 from __future__ import annotations
 
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 
+from . import native, ops
 from .gpu_ops import use_triton
+
+SOURCE = Path(__file__).parent / "csrc" / "rope.c"
 
 
 def inv_frequencies(base: float, rotary_dim: int) -> torch.Tensor:
@@ -53,6 +60,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if use_triton("rope", x) and x.dtype == torch.float32:
         from .triton import rope
         return rope.apply_rope(x, cos.float(), sin.float())
+    if x.dtype == torch.float32 and x.dim() == 3 and cos.dtype == sin.dtype == torch.float32:
+        return ops.rope(x, cos, sin)
+    return torch_rope(x, cos, sin)
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    lib = native.load_source(SOURCE, None, ("-ffp-contract=off",), fallback="RoPE runs as torch operations")
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.raymoe_rope.argtypes = [p, i, i, i, p, p, i, p]
+        lib.raymoe_rope.restype = None
+    return lib
+
+
+def cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ops.rope's CPU implementation: one call of kernels/csrc/rope.c, the bits of torch_rope (which runs
+    where there is no C compiler)."""
+    lib = _library()
+    T, H, k = x.shape
+    rd = cos.shape[-1]
+    if lib is None or rd % 2 or rd > k or cos.shape != (T, rd) or sin.shape != (T, rd):
+        return torch_rope(x, cos, sin)
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        lib.raymoe_rope(x.data_ptr(), T, H, k, cos.data_ptr(), sin.data_ptr(), rd, y.data_ptr())
+    return y
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope as torch operations."""
     rd = cos.shape[-1]
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     rot, rest = x[..., :rd], x[..., rd:]

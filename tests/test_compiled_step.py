@@ -194,6 +194,8 @@ def op_cases():
                                      shared, None if shared is None else q8[1], T.Q8_0, quantize,
                                      None if shared is None else torch.randn(1, 1, generator=g)))
                      for quantize, shared in ((False, None), (True, torch.randn(1, 64, generator=g)))],
+        "rope": [(ops.rope, (torch.randn(2, 3, 16, generator=g), torch.randn(2, 8, generator=g),
+                             torch.randn(2, 8, generator=g)))],
         "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),
                      (ops.rms_norm, (torch.randn(2, 3, 40, generator=g)[:, :, :37], torch.randn(37, generator=g), 1e-5))],
     }

@@ -204,3 +204,17 @@ def test_int8_rows_quantise_and_multiply_within_their_error():
     # an int8 embedding table gives its rows dequantised
     ids = torch.tensor([5, 0, 5, 39])
     assert torch.equal(lookup_rows(q[1], ids), back[1][ids])
+
+
+def test_rope_in_c_keeps_torchs_bits():
+    """kernels/csrc/rope.c (ops.rope, what apply_rope runs on the CPU) gives torch's expression's bits: partial
+    rotary (Qwen3.5: 64 of 256), whole heads (gpt-oss), one token and several, heads that are column views of a
+    projection, and a YaRN-scaled table."""
+    from kernels import ops
+    from kernels.rope import torch_rope
+    g = torch.Generator().manual_seed(4)
+    for T, H, D, rd, scale in ((1, 16, 256, 64, 1.0), (5, 8, 64, 64, 1.3), (3, 2, 12, 12, 1.0)):
+        x = torch.randn(T, H, 2 * D, generator=g)[..., :D]          # a column view, as the gated q is
+        cos, sin = rope_cos_sin(torch.arange(7, 7 + T), inv_frequencies(10000.0, rd), scale)
+        assert torch.equal(ops.rope(x, cos, sin), torch_rope(x, cos, sin))
+        assert torch.equal(apply_rope(x, cos, sin), torch_rope(x, cos, sin))
