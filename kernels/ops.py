@@ -372,13 +372,12 @@ def _torch_combine(rows, weights, gate, shared):
 
 @_op("moe_down")
 def moe_down(act: Tensor, ids: Tensor, weights: Tensor, raw: Tensor, ggml_type: int, quantize: bool,
-             down_bias: Optional[Tensor], shared_act: Optional[Tensor], shared_raw: Optional[Tensor], shared_type: int, shared_quantize: bool,
-             gate: Optional[Tensor]) -> Tensor:
+             down_bias: Optional[Tensor], shared_act: Optional[Tensor], shared_raw: Optional[Tensor],
+             shared_type: int, shared_quantize: bool, gate: Optional[Tensor]) -> Tensor:
     """One token's end of a MoE layer, CPU only, in one call: row j of act [k, F] through down expert ids[0, j]
     of raw [E, H, row bytes] plus its row of down_bias [E, H] when given, the shared expert's down (shared_raw
-    [H, row bytes]) of shared_act [1, S]
-    when given, then moe_combine with gate [1, 1] -> [1, H]. The same bits as block_slots, block_linear
-    and moe_combine called one after another (kernels/csrc/blocks.c raymoe_moe_down)."""
+    [H, row bytes]) of shared_act [1, S] when given, then moe_combine with gate [1, 1] -> [1, H]. The same
+    bits as block_slots, block_linear and moe_combine called one after another (raymoe_moe_down)."""
     from . import blocks
     return blocks.moe_down(act, ids.reshape(-1).tolist(), weights, raw, ggml_type, quantize, down_bias, shared_act,
                            shared_raw, shared_type, shared_quantize, gate)
@@ -430,7 +429,7 @@ def _(x, cos, sin):
 
 @rope.register_fake
 def _(x, cos, sin):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 # ---- norms --------------------------------------------------------------------------------------------
