@@ -94,4 +94,3 @@ def test_fused_experts_multimodal_and_sharded_layouts(hf_model, prompt, tmp_path
         if f.startswith("tokenizer"):
             shutil.copy(os.path.join(src, f), tmp_path / f)
     assert max_logprob_error(open_model(str(tmp_path)), model, prompt) < TOL
-
