@@ -7,6 +7,9 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     grouped_many_rows   many activation rows per weight (prefill) in fast mode: int8 activations
                         times tiles of unpacked weight rows, summed in integers
     many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
+    slot_product        grouped_product for a decode step's (token, expert) slots, one row each
+    moe_combine         the routed slots' weighted sum plus the gated shared expert (ops.moe_combine)
+    moe_down            one token's down products and that sum in one call (ops.moe_down)
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
 AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
@@ -189,7 +192,7 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
         return
     if min(experts) < 0 or max(experts) >= count:
         raise ValueError(f"expert ids {experts} out of range for {count} weights")
-    table = (ctypes.c_int64 * (3 * slots))(*[v for s, e in enumerate(experts) for v in (e, s, s + 1)])
+    table = _table([(e, s, s + 1) for s, e in enumerate(experts)])
     _status(_lib().raymoe_blocks_grouped(int(ggml_type), 1 if quantize_activations else 0, x.data_ptr(), slots,
                                          0 if x.shape[0] == 1 else x.stride(0), raw.data_ptr(), raw.stride(0),
                                          *_second(raw2, raw), table, slots, n, k, out.data_ptr(), out.stride(0)))
@@ -203,6 +206,8 @@ def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gat
     h = rows.shape[-1]
     _check_rows(rows, "rows", T * k, h)
     _check_rows(out, "out", T, h)
+    if weights.dtype != torch.float32 or not all(t is None or t.is_contiguous() for t in (rows, weights, shared, out)):
+        raise ValueError("moe_combine takes float32 weights and contiguous rows, weights, shared and out")
     if (gate is None) != (shared is None):
         raise ValueError("the shared expert's gate and output come together")
     if gate is not None:
@@ -216,8 +221,8 @@ def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gat
 
 def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: torch.Tensor, ggml_type: int,
              quantize_activations: bool, down_bias: torch.Tensor | None, shared_act: torch.Tensor | None,
-             shared_raw: torch.Tensor | None,
-             shared_type: int, shared_quantize: bool, gate: torch.Tensor | None) -> torch.Tensor:
+             shared_raw: torch.Tensor | None, shared_type: int, shared_quantize: bool,
+             gate: torch.Tensor | None) -> torch.Tensor:
     """ops.moe_down's CPU call (see there): one token's k slots, k <= 64."""
     k, ff = act.shape
     _check_raw(raw, ggml_type, ff, 3)

@@ -78,6 +78,7 @@ class MoE:
         # One product gives the router logits and, with a shared expert, its gate and gate/up.
         inputs = [w.matrix(p + "ffn_gate_inp.weight")]
         self.router_bias = w(p + "ffn_gate_inp.bias") if spec.bias else None
+        self.shared_down = None
         if spec.shared_ff:
             inputs += [w(p + "ffn_gate_inp_shexp.weight").view(1, -1), w.matrix(p + "ffn_gate_shexp.weight"),
                        w.matrix(p + "ffn_up_shexp.weight")]
@@ -88,7 +89,7 @@ class MoE:
     def _one_call_down(self) -> bool:
         """Whether one token's down products, shared expert and weighted sum can be one call (ops.moe_down):
         on the CPU with the block kernels, all of the layer's experts here, GGML-block weights."""
-        experts, shared = self.experts, getattr(self, "shared_down", None)
+        experts, shared = self.experts, self.shared_down
         return (isinstance(experts, LocalExperts) and experts.experts is None
                 and isinstance(experts.down, BlockWeight) and experts.down.raw.is_cpu
                 and (experts.down_bias is None or experts.down_bias.is_contiguous())
@@ -103,7 +104,7 @@ class MoE:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
         if self.one_call and x.shape[0] == 1:      # a decode step's token: the same bits as below, fewer calls
-            experts, shared = self.experts, getattr(self, "shared_down", None)
+            experts, shared = self.experts, self.shared_down
             act = s.activation(slot_linear(x, experts.gate_up, ids, experts.gate_up_bias))
             return ops.moe_down(act, ids, weights, experts.down.raw, experts.down.type,
                                 experts.down.quantize_activations, experts.down_bias,

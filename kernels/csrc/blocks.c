@@ -2406,16 +2406,15 @@ void raymoe_moe_combine(int64_t tokens, int64_t k, int64_t h, const float *rows,
 
 /* One token's routed experts after their activation, in one call: rows j = act[j] times the transpose of
  * expert experts[j] of the down stack (type t, [E, h rows of ff], w_stride bytes apart), plus row experts[j]
- * of down_bias ([E, h] float32) when given, the shared
- * expert's down (type ts, [h rows of sff]) times shared_act when given, then raymoe_moe_combine. The
+ * of down_bias ([E, h] float32) when given; the shared expert's down (type ts, [h rows of sff]) times
+ * shared_act when given; then raymoe_moe_combine. The
  * products are raymoe_blocks_grouped's calls for the same slots (the same bits); quantize and
  * quantize_shared: each weight's mode. k: 1 to 64. scratch: (k + 1) h floats. Returns 0, or -1 when out of
  * memory (or k is out of range). */
 int raymoe_moe_down(int t, int quantize, const float *act, int64_t k, int64_t ff, const uint8_t *down,
                     int64_t w_stride, const int64_t *experts, int64_t h, const float *down_bias, const float *w,
-                    int ts, int quantize_shared,
-                    const float *shared_act, int64_t sff, const uint8_t *shared_down, const float *gate,
-                    float *scratch, float *out) {
+                    int ts, int quantize_shared, const float *shared_act, int64_t sff, const uint8_t *shared_down,
+                    const float *gate, float *scratch, float *out) {
     int64_t groups[3 * 64];
     if (k < 1 || k > 64) return -1;
     for (int64_t j = 0; j < k; j++) {
