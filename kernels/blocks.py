@@ -9,7 +9,8 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
     slot_product        grouped_product for a decode step's (token, expert) slots, one row each
     moe_combine         the routed slots' weighted sum plus the gated shared expert (ops.moe_combine)
-    moe_down            one token's down products and that sum in one call (ops.moe_down)
+    moe_token           one token's MoE layer after its router, in one call (ops.moe_token): the
+                        experts' gate/up products, their activation, down products and that sum
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
 AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
@@ -33,8 +34,9 @@ from kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "blocks.c"
-# the dequantisation must round as gguf-py's numpy code: no fused multiply-adds
-EXTRA_FLAGS = ("-ffp-contract=off",)
+# The dequantisation must round as gguf-py's numpy code: no fused multiply-adds. Without traps on floating
+# point exceptions (which nothing here sets), the MoE activation's loops vectorise.
+EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
 
 TYPES = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
          T.BF16, T.MXFP4)
@@ -63,8 +65,11 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     lib.raymoe_blocks_amx_min_rows.restype = c
     lib.raymoe_moe_combine.argtypes = [i, i, i, p, p, p, i, p, p]
     lib.raymoe_moe_combine.restype = None
-    lib.raymoe_moe_down.argtypes = [c, c, p, i, i, p, i, p, i, p, p, c, c, p, i, p, p, p, p]
-    lib.raymoe_moe_down.restype = c
+    f, wp = ctypes.c_float, ctypes.POINTER(MoEWeight)
+    lib.raymoe_moe_token.argtypes = [p, i, i, p, p, wp, i, wp, c, c, f, f, p, i, wp, p, p, p]
+    lib.raymoe_moe_token.restype = c
+    lib.raymoe_activation_check.argtypes = [c, c, f, f, p, i, i, p]
+    lib.raymoe_activation_check.restype = None
     lib.sgemm = native._numpy_sgemm()
     _start_amx(lib)
     return lib
@@ -219,46 +224,105 @@ def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gat
                            out.data_ptr())
 
 
-def moe_down(act: torch.Tensor, experts: list[int], weights: torch.Tensor, raw: torch.Tensor, ggml_type: int,
-             quantize_activations: bool, down_bias: torch.Tensor | None, shared_act: torch.Tensor | None,
-             shared_raw: torch.Tensor | None, shared_type: int, shared_quantize: bool,
-             gate: torch.Tensor | None) -> torch.Tensor:
-    """ops.moe_down's CPU call (see there): one token's k slots, k <= 64."""
-    k, ff = act.shape
-    _check_raw(raw, ggml_type, ff, 3)
-    h = raw.shape[1]
-    if not 0 < k <= 64 or len(experts) != k or weights.shape != (1, k) or weights.dtype != torch.float32:
-        raise ValueError(f"moe_down takes one token's 1-64 slots, got act {tuple(act.shape)}, {len(experts)} "
-                         f"experts, weights {tuple(weights.shape)}")
+class MoEWeight(ctypes.Structure):
+    """blocks.c's moe_weight: a stack of experts (or one matrix) of GGML blocks, and its bias."""
+    _fields_ = [("type", ctypes.c_int), ("quantize", ctypes.c_int), ("raw", ctypes.c_void_p),
+                ("raw2", ctypes.c_void_p), ("stride", ctypes.c_int64), ("stride2", ctypes.c_int64),
+                ("n1", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+def _moe_weight(raw: torch.Tensor, raw2: torch.Tensor | None, ggml_type: int, k: int, quantize: bool,
+                bias: torch.Tensor | None, dims: int) -> tuple[MoEWeight, int]:
+    """The library's description of a weight ([E,] N, row bytes; raw2's rows after raw's) and its rows."""
+    _check_raw(raw, ggml_type, k, dims)
+    rows = raw.shape[-2]
+    if raw2 is not None:
+        _check_raw(raw2, ggml_type, k, dims)
+        if raw2.shape[:-2] != raw.shape[:-2]:
+            raise ValueError(f"raw2 holds {tuple(raw2.shape[:-2])} weights, raw {tuple(raw.shape[:-2])}")
+        rows += raw2.shape[-2]
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (*raw.shape[:-2], rows)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"a bias must be contiguous float32 {[*raw.shape[:-2], rows]}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    return MoEWeight(int(ggml_type), int(quantize), raw.data_ptr(), None if raw2 is None else raw2.data_ptr(),
+                     raw.stride(0) if dims == 3 else 0, 0 if raw2 is None or dims == 2 else raw2.stride(0),
+                     raw.shape[-2], None if bias is None else bias.data_ptr()), rows
+
+
+def moe_token(x: torch.Tensor, experts: list[int], weights: torch.Tensor, gate_up: tuple, down: tuple,
+              activation: tuple[int, int, float, float], shared_gate_up: torch.Tensor | None,
+              shared_down: tuple | None, gate: torch.Tensor | None) -> torch.Tensor:
+    """ops.moe_token's CPU call (see there): one token's k slots, k <= 64. gate_up: (raw [E, F, bytes], raw2
+    [E, F, bytes] or None, type, quantize, bias [E, 2F] or None); down: (raw [E, H, bytes], type, quantize,
+    bias [E, H] or None); activation: (kind, exp kind, alpha, limit) as blocks.c's moe_activation takes them;
+    shared_down: (raw [H, bytes], type, quantize) with shared_gate_up [1, 2S] and gate [1, 1], or all None."""
+    h, k = x.shape[-1], len(experts)
+    _check_rows(x, "x", 1, h)
+    raw, raw2, gate_up_type, gate_up_quantize, gate_up_bias = gate_up
+    gate_up_weight, rows = _moe_weight(raw, raw2, gate_up_type, h, gate_up_quantize, gate_up_bias, 3)
+    ff = rows // 2
+    if rows % 2 or not ff:
+        raise ValueError(f"gate/up has {rows} rows, not two halves")
+    down_raw, down_type, down_quantize, down_bias = down
+    down_weight, down_rows = _moe_weight(down_raw, None, down_type, ff, down_quantize, down_bias, 3)
+    if down_rows != h or down_raw.shape[0] != raw.shape[0]:
+        raise ValueError(f"down holds {down_raw.shape[0]} experts of {down_rows} rows for {raw.shape[0]} of {h}")
+    if not 0 < k <= 64 or weights.shape != (1, k) or weights.dtype != torch.float32:
+        raise ValueError(f"moe_token takes one token's 1-64 slots, got {k} experts, weights {tuple(weights.shape)}")
     if min(experts) < 0 or max(experts) >= raw.shape[0]:
         raise ValueError(f"expert ids {experts} out of range for {raw.shape[0]} weights")
-    if down_bias is not None and (down_bias.dtype != torch.float32 or down_bias.shape != (raw.shape[0], h)
-                                  or not down_bias.is_contiguous()):
-        raise ValueError(f"down_bias must be contiguous float32 [{raw.shape[0]}, {h}], got {down_bias.dtype} "
-                         f"{tuple(down_bias.shape)}")
-    _check_rows(act, "act", k, ff)
-    if act.stride(0) != ff:
-        act = act.contiguous()
-    if (shared_act is None) != (shared_raw is None) or (shared_act is None) != (gate is None):
-        raise ValueError("the shared expert's activations, weight and gate come together")
-    sff = 0
-    if shared_act is not None:
-        sff = shared_act.shape[-1]
-        _check_raw(shared_raw, shared_type, sff, 2)
-        _check_rows(shared_act, "shared_act", 1, sff)
-        if shared_raw.shape[0] != h or gate.dtype != torch.float32 or gate.numel() != 1:
-            raise ValueError(f"the shared expert's down has {shared_raw.shape[0]} rows for {h}, "
-                             f"gate {tuple(gate.shape)}")
+    if (shared_gate_up is None) != (shared_down is None) or (shared_gate_up is None) != (gate is None):
+        raise ValueError("the shared expert's gate/up, weight and gate come together")
+    sff, shared_weight = 0, None
+    if shared_gate_up is not None:
+        sff = shared_gate_up.shape[-1] // 2
+        _check_rows(shared_gate_up, "shared_gate_up", 1, 2 * sff)
+        shared_raw, shared_type, shared_quantize = shared_down
+        shared_weight, shared_rows = _moe_weight(shared_raw, None, shared_type, sff, shared_quantize, None, 2)
+        if shared_rows != h or gate.dtype != torch.float32 or gate.numel() != 1:
+            raise ValueError(f"the shared expert's down has {shared_rows} rows for {h}, gate {tuple(gate.shape)}")
     table, weights = (ctypes.c_int64 * k)(*experts), weights.contiguous()
-    scratch, out = act.new_empty((k + 1) * h), act.new_empty(1, h)
-    _status(_lib().raymoe_moe_down(int(ggml_type), 1 if quantize_activations else 0, act.data_ptr(), k, ff,
-                                   raw.data_ptr(), raw.stride(0), table, h,
-                                   None if down_bias is None else down_bias.data_ptr(), weights.data_ptr(),
-                                   int(shared_type), 1 if shared_quantize else 0,
-                                   None if shared_act is None else shared_act.data_ptr(), sff,
-                                   None if shared_raw is None else shared_raw.data_ptr(),
-                                   None if gate is None else gate.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+    scratch, out = x.new_empty(k * (3 * ff + h) + sff + h), x.new_empty(1, h)
+    _status(_lib().raymoe_moe_token(x.data_ptr(), h, k, table, weights.data_ptr(), ctypes.byref(gate_up_weight), ff,
+                                    ctypes.byref(down_weight), *activation,
+                                    None if shared_gate_up is None else shared_gate_up.data_ptr(), sff,
+                                    None if shared_weight is None else ctypes.byref(shared_weight),
+                                    None if gate is None else gate.data_ptr(), scratch.data_ptr(), out.data_ptr()))
     return out
+
+
+def activation_exp(kind: int, alpha: float, limit: float) -> int | None:
+    """Which exp (1: vector_expf, 0: the C library's) gives the library's MoE activation (blocks.c's
+    moe_activation) the bits of torch's here (kernels.moe's swiglu, or clamped_swiglu with alpha and limit),
+    or None when neither does: the library's exp is SLEEF's, which torch's vectorised kernels use, and
+    the check is against whatever this torch build computes. Rows of 64 values (a multiple of every vector
+    length, so torch takes its vector formula throughout)."""
+    lib = library()
+    return None if lib is None else _activation_exp(lib, kind, alpha, limit)
+
+
+@lru_cache(maxsize=None)
+def _activation_exp(lib: ctypes.CDLL, kind: int, alpha: float, limit: float) -> int | None:
+    from functools import partial
+    from .moe import clamped_swiglu, swiglu
+    reference = swiglu if kind == 0 else partial(clamped_swiglu, alpha=alpha, limit=limit)
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(8192, generator=g) * scale for scale in (1, 4, 30, 120)] +
+                       [torch.tensor([0.0, -0.0, 1e-40, -1e-40, 87.5, -87.5, 88.7, -88.7, 103.9, -103.9, 104.1,
+                                      -104.1, 150.0, -150.0, float("inf"), float("-inf"), float("nan")] * 8)])
+    values = values[:values.numel() // 64 * 64].view(-1, 64)
+    gate_up = torch.cat([values, values.flip(0)], 1)
+    want = reference(gate_up)
+    for exp_kind in (1, 0):
+        got = torch.empty_like(want)
+        lib.raymoe_activation_check(kind, exp_kind, alpha, limit, gate_up.data_ptr(), got.shape[0], 64,
+                                    got.data_ptr())
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())   # NaNs: any bits
+        if bool(same.all()):
+            return exp_kind
+    log.info("the MoE activation in C does not give this torch's bits: a decode step's MoE takes separate calls")
+    return None
 
 
 def _second(raw2: torch.Tensor | None, raw: torch.Tensor) -> tuple[int | None, int, int]:

@@ -7,6 +7,7 @@ routed to it; results are scaled by their routing weight and scattered back. A d
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -65,6 +66,16 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * sigmoid(gate * alpha))
+
+
+def activation_code(activation: Callable) -> tuple[int, float, float] | None:
+    """(kind, alpha, limit) of an expert activation as the C library computes it (blocks.c's
+    moe_activation: 0 swiglu, 1 clamped_swiglu), or None for any other function."""
+    if activation is swiglu:
+        return 0, 0.0, 0.0
+    if isinstance(activation, partial) and activation.func is clamped_swiglu and not activation.args:
+        return 1, float(activation.keywords["alpha"]), float(activation.keywords["limit"])
+    return None
 
 
 def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

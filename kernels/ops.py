@@ -14,8 +14,8 @@ so a traced step has no host synchronisation. Outside tracing, calls skip the di
     route                                       softmax-top-k / top-k-softmax routing
     rms_norm                                    RMSNorm over the last dimension, float32
     rope                                        NeoX rotary embedding of each head's leading values
-    moe_combine, moe_down                       the routed experts' weighted sum (and the gated shared
-                                                expert); one token's down products and that sum, one call
+    moe_combine, moe_token                      the routed experts' weighted sum (and the gated shared
+                                                expert); one token's whole MoE after its router, one call
 
 block_* take GGML blocks (uint8 [.., N, row bytes]) and, as raw2, optionally a second weight of the same
 format whose rows follow the first's in the output (a GGUF file's gate and up experts: one product).
@@ -340,7 +340,7 @@ def _deltanet(conv, taps, a, dt_bias, norm, eps, nk, nv, dk, dv):
 def moe_combine(rows: Tensor, weights: Tensor, gate: Optional[Tensor], shared: Optional[Tensor]) -> Tensor:
     """Row t = sum over j of weights[t, j] * rows[t*k + j] (j in order), plus sigmoid(gate[t]) * shared[t]
     where gate [T, 1] and shared [T, H] are given: rows [T*k, H] -> [T, H], float32. On the CPU one call
-    of kernels/csrc/blocks.c (moe_down's end: the same bits), else torch's operations."""
+    of kernels/csrc/blocks.c (moe_token's end: the same bits), else torch's operations."""
     from . import blocks
     lib = blocks.library()
     if lib is None:
@@ -370,23 +370,32 @@ def _torch_combine(rows, weights, gate, shared):
     return y if gate is None else y + torch.sigmoid(gate) * shared
 
 
-@_op("moe_down")
-def moe_down(act: Tensor, ids: Tensor, weights: Tensor, raw: Tensor, ggml_type: int, quantize: bool,
-             down_bias: Optional[Tensor], shared_act: Optional[Tensor], shared_raw: Optional[Tensor],
-             shared_type: int, shared_quantize: bool, gate: Optional[Tensor]) -> Tensor:
-    """One token's end of a MoE layer, CPU only, in one call: row j of act [k, F] through down expert ids[0, j]
-    of raw [E, H, row bytes] plus its row of down_bias [E, H] when given, the shared expert's down (shared_raw
-    [H, row bytes]) of shared_act [1, S] when given, then moe_combine with gate [1, 1] -> [1, H]. The same
-    bits as block_slots, block_linear and moe_combine called one after another (raymoe_moe_down)."""
+@_op("moe_token")
+def moe_token(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, gate_up2: Optional[Tensor], gate_up_type: int,
+              gate_up_quantize: bool, gate_up_bias: Optional[Tensor], down: Tensor, down_type: int, down_quantize: bool,
+              down_bias: Optional[Tensor], activation: int, exp_kind: int, alpha: float, limit: float,
+              shared_gate_up: Optional[Tensor], shared_down: Optional[Tensor], shared_type: int,
+              shared_quantize: bool, gate: Optional[Tensor]) -> Tensor:
+    """One token's MoE layer after its router, CPU only, in one call: x [1, H] through the gate/up experts
+    ids[0, j] of gate_up [E, N, row bytes] (| gate_up2's rows; plus gate_up_bias [E, 2F]), the activation
+    (0: swiglu, 1: gpt-oss's clamped swiglu with alpha and limit; its exp as blocks.activation_exp says), the
+    down experts of down [E, H, row bytes] (plus down_bias [E, H]); the shared expert's activation of
+    shared_gate_up [1, 2S] and its down product (shared_down [H, row bytes]) when given; then moe_combine
+    with gate [1, 1] -> [1, H]. The same bits as block_slots, the activation, block_linear and moe_combine
+    called one after another (blocks.c's raymoe_moe_token)."""
     from . import blocks
-    return blocks.moe_down(act, ids.reshape(-1).tolist(), weights, raw, ggml_type, quantize, down_bias, shared_act,
-                           shared_raw, shared_type, shared_quantize, gate)
+    return blocks.moe_token(x, ids.reshape(-1).tolist(), weights,
+                            (gate_up, gate_up2, gate_up_type, gate_up_quantize, gate_up_bias),
+                            (down, down_type, down_quantize, down_bias), (activation, exp_kind, alpha, limit),
+                            shared_gate_up, None if shared_down is None else (shared_down, shared_type, shared_quantize),
+                            gate)
 
 
-@moe_down.register_fake
-def _(act, ids, weights, raw, ggml_type, quantize, down_bias, shared_act, shared_raw, shared_type, shared_quantize,
-      gate):
-    return act.new_empty(1, raw.shape[-2])
+@moe_token.register_fake
+def _(x, ids, weights, gate_up, gate_up2, gate_up_type, gate_up_quantize, gate_up_bias, down, down_type,
+      down_quantize, down_bias, activation, exp_kind, alpha, limit, shared_gate_up, shared_down, shared_type,
+      shared_quantize, gate):
+    return x.new_empty(1, down.shape[-2])
 
 
 # ---- routing ------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 
 from kernels import blocks, ops
-from kernels.linear import linear, slot_linear
-from kernels.moe import CPU_SLOT_PRODUCTS, combine_slots, expert_slot_outputs, swiglu
-from kernels.weights import BlockWeight
+from kernels.linear import linear
+from kernels.moe import CPU_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs, swiglu
+from kernels.weights import BlockWeight, ConcatWeight
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,17 @@ class MoESpec:
         return LocalExperts(gate_up, down, self.activation, gate_up_bias, down_bias, experts)
 
 
+def _cpu_blocks(weight) -> tuple | None:
+    """(raw, raw2, type, quantize) of GGML-block weights on the CPU: one BlockWeight, or a pair of one format
+    (a GGUF file's gate and up experts); None for any other weight."""
+    if isinstance(weight, ConcatWeight) and weight.pair:
+        first, second = weight.parts
+        return first.raw, second.raw, first.type, first.quantize_activations
+    if isinstance(weight, BlockWeight) and weight.raw.is_cpu:
+        return weight.raw, None, weight.type, weight.quantize_activations
+    return None
+
+
 @dataclass(frozen=True)
 class LocalExperts:
     """The routed experts a process holds (all of a layer's, or an expert actor's slice), as a function
@@ -84,17 +95,29 @@ class MoE:
                        w.matrix(p + "ffn_up_shexp.weight")]
             self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
         self.inputs = w.join(inputs)
-        self.one_call = self._one_call_down()
+        self.token_call = self._token_call()
 
-    def _one_call_down(self) -> bool:
-        """Whether one token's down products, shared expert and weighted sum can be one call (ops.moe_down):
-        on the CPU with the block kernels, all of the layer's experts here, GGML-block weights."""
-        experts, shared = self.experts, self.shared_down
-        return (isinstance(experts, LocalExperts) and experts.experts is None
-                and isinstance(experts.down, BlockWeight) and experts.down.raw.is_cpu
-                and (experts.down_bias is None or experts.down_bias.is_contiguous())
-                and (shared is None or isinstance(shared, BlockWeight) and shared.raw.is_cpu)
-                and self.spec.n_used <= CPU_SLOT_PRODUCTS and blocks.library() is not None)
+    def _token_call(self) -> tuple | None:
+        """ops.moe_token's arguments from gate_up to limit, where one token's MoE after its router can be one
+        call: on the CPU with the block kernels, all of the layer's experts here, GGML-block weights, an
+        activation the library computes with this torch's bits (blocks.activation_exp), at widths that torch
+        computes by its vector formula throughout (multiples of 32 values). None otherwise."""
+        experts, shared, s = self.experts, self.shared_down, self.spec
+        if not (isinstance(experts, LocalExperts) and experts.experts is None and s.n_used <= CPU_SLOT_PRODUCTS
+                and blocks.library() is not None):
+            return None
+        gate_up, down, code = _cpu_blocks(experts.gate_up), experts.down, activation_code(s.activation)
+        one = lambda w: isinstance(w, BlockWeight) and w.raw.is_cpu     # noqa: E731
+        if (gate_up is None or not one(down) or code is None or s.expert_ff % 32 or s.shared_ff % 32
+                or (shared is not None and not one(shared))
+                or any(b is not None and not b.is_contiguous() for b in (experts.gate_up_bias, experts.down_bias))):
+            return None
+        exp_kind = blocks.activation_exp(*code)
+        if exp_kind is None:
+            return None
+        kind, alpha, limit = code
+        return (*gate_up, experts.gate_up_bias, down.raw, down.type, down.quantize_activations, experts.down_bias,
+                kind, exp_kind, alpha, limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -103,13 +126,10 @@ class MoE:
         if s.shared_ff:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
-        if self.one_call and x.shape[0] == 1:      # a decode step's token: the same bits as below, fewer calls
-            experts, shared = self.experts, self.shared_down
-            act = s.activation(slot_linear(x, experts.gate_up, ids, experts.gate_up_bias))
-            return ops.moe_down(act, ids, weights, experts.down.raw, experts.down.type,
-                                experts.down.quantize_activations, experts.down_bias,
-                                None if shared is None else s.activation(shared_gate_up),
-                                None if shared is None else shared.raw, 0 if shared is None else shared.type,
-                                shared is not None and shared.quantize_activations, shared_gate)
+        if self.token_call is not None and x.shape[0] == 1:   # a decode step's token: the bits below, one call
+            shared = self.shared_down
+            return ops.moe_token(x, ids, weights, *self.token_call, shared_gate_up,
+                                 None if shared is None else shared.raw, 0 if shared is None else shared.type,
+                                 shared is not None and shared.quantize_activations, shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
         return combine_slots(*self.experts(x, ids), weights, shared_gate, shared)

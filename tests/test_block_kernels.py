@@ -543,36 +543,81 @@ def test_slot_product_gives_grouped_products_bits(variant, t):
         blocks.slot_product(x[:2], raw, t, k, experts, out, True)
 
 
+ACTIVATIONS = [(0, 0.0, 0.0), (1, 1.702, 7.0)]     # swiglu; gpt-oss's clamped swiglu
+
+
+def _torch_activation(kind, alpha, limit):
+    from functools import partial
+    from kernels.moe import clamped_swiglu, swiglu
+    return swiglu if kind == 0 else partial(clamped_swiglu, alpha=alpha, limit=limit)
+
+
+@pytest.mark.parametrize("kind, alpha, limit", ACTIVATIONS)
+def test_moe_activation_in_c_gives_torchs_bits(variant, kind, alpha, limit):
+    """The library's MoE activations (its exp is the one torch's vector kernels use) give torch's bits for
+    any float32 gate and up: random bit patterns (NaN, infinities and subnormals among them) and the
+    ranges where exp under- and overflows. (Checked once over all 2^32 gate values with up = 1: no
+    difference.) Where torch has vector kernels, the library takes that exp."""
+    g = torch.Generator().manual_seed(17 + kind)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    edges = torch.linspace(-110, 110, 1 << 16)
+    values = torch.cat([bits.view(torch.float32), edges, torch.randn(1 << 16, generator=g) * 6]).view(-1, 128)
+    gate_up = torch.cat([values, values.roll(1, 0)], 1)
+    exp_kind = blocks.activation_exp(kind, alpha, limit)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert exp_kind == 1
+    got = torch.empty_like(values)
+    variant.raymoe_activation_check(kind, exp_kind, alpha, limit, gate_up.data_ptr(), values.shape[0], 128,
+                                    got.data_ptr())
+    want = _torch_activation(kind, alpha, limit)(gate_up)
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values differ"
+
+
 @pytest.mark.parametrize("t, shared_t", [(T.Q3_K, T.Q4_K), (T.MXFP4, T.Q8_0), (T.Q8_0, T.F16)], ids=lambda t: t.name)
-def test_moe_down_gives_the_separate_calls_bits(variant, t, shared_t):
-    """One token's down products (with gpt-oss's biases or without), shared expert and weighted sum in one call
-    (ops.moe_down, a decode step's MoE) equal block_slots, the bias, block_linear and moe_combine one after
-    another, bit for bit, in both modes, with and without a shared expert; bad expert ids and a shared expert
-    without its gate are refused."""
+def test_moe_token_gives_the_separate_calls_bits(variant, t, shared_t):
+    """One token's MoE after its router in one call (ops.moe_token, a decode step's MoE: gate/up products with
+    gpt-oss's biases or without, the activation, down products, shared expert, weighted sum) equals
+    block_slots, the bias, the activation in torch, block_slots, block_linear and moe_combine one after
+    another, bit for bit, in both modes, for both activations, gate and up as one weight or two, with and
+    without a shared expert; bad expert ids, a shared expert without its gate and a bad bias are refused."""
     from kernels import ops
-    h, ff, sff, k = 13, 256, 512, 4
+    h, ff, sff, k = 256, 256, 512, 4
     rng = np.random.default_rng(9300 + int(t))
+    gate, up = (torch.stack([random_raw(rng, t, ff, h) for _ in range(6)]) for _ in range(2))
     down = torch.stack([random_raw(rng, t, h, ff) for _ in range(6)])
     shared_down = random_raw(rng, shared_t, h, sff)
     g = torch.Generator().manual_seed(int(t))
-    act, shared_act = torch.randn(k, ff, generator=g), torch.randn(1, sff, generator=g)
-    ids, weights, gate = torch.tensor([[5, 1, 3, 0]]), torch.rand(1, k, generator=g), torch.randn(1, 1, generator=g)
-    for quantize, bias in ((True, None), (False, None), (True, torch.randn(6, h, generator=g))):
-        rows = ops.block_slots(act, ids.reshape(-1, 1), down, None, t, ff, quantize)
-        if bias is not None:
-            rows.add_(bias.index_select(0, ids.reshape(-1)))       # kernels.linear.slot_linear's bias
-        shared = ops.block_linear(shared_act, shared_down, None, shared_t, sff, quantize)
-        with_shared = (shared_act, shared_down, shared_t, quantize, gate)
-        for want, args in ((ops.moe_combine(rows, weights, gate, shared), with_shared),
-                           (ops.moe_combine(rows, weights, None, None), (None, None, 0, False, None))):
-            got = ops.moe_down(act, ids, weights, down, t, quantize, bias, *args)
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    x, shared_gate_up = torch.randn(1, h, generator=g), torch.randn(1, 2 * sff, generator=g) * 3
+    ids, weights, shared_gate = torch.tensor([[5, 1, 3, 0]]), torch.rand(1, k, generator=g), torch.randn(1, 1, generator=g)
+    for kind, alpha, limit in ACTIVATIONS:
+        activation, exp_kind = _torch_activation(kind, alpha, limit), blocks.activation_exp(kind, alpha, limit)
+        for quantize, biases in ((True, None), (False, None),
+                                 (True, (torch.randn(6, 2 * ff, generator=g), torch.randn(6, h, generator=g)))):
+            up_bias, down_bias = biases or (None, None)
+            for gate_up in ((gate, up), (torch.cat([gate, up], 1), None)):
+                hidden = ops.block_slots(x, ids, *gate_up, t, h, quantize)
+                if up_bias is not None:
+                    hidden.add_(up_bias.index_select(0, ids.reshape(-1)))   # kernels.linear.slot_linear's bias
+                rows = ops.block_slots(activation(hidden), ids.reshape(-1, 1), down, None, t, ff, quantize)
+                if down_bias is not None:
+                    rows.add_(down_bias.index_select(0, ids.reshape(-1)))
+                shared = ops.block_linear(activation(shared_gate_up), shared_down, None, shared_t, sff, quantize)
+                args = (x, ids, weights, *gate_up, t, quantize, up_bias, down, t, quantize, down_bias, kind, exp_kind,
+                        alpha, limit)
+                for want, shared_args in (
+                        (ops.moe_combine(rows, weights, shared_gate, shared),
+                         (shared_gate_up, shared_down, shared_t, quantize, shared_gate)),
+                        (ops.moe_combine(rows, weights, None, None), (None, None, 0, False, None))):
+                    got = ops.moe_token(*args, *shared_args)
+                    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    args = [x, ids, weights, gate, up, t, True, None, down, t, True, None, 0, 1, 0.0, 0.0, None, None, 0, False, None]
     with pytest.raises(ValueError, match="out of range"):
-        ops.moe_down(act, torch.tensor([[5, 1, 6, 0]]), weights, down, t, True, None, None, None, 0, False, None)
+        ops.moe_token(*args[:1], torch.tensor([[5, 1, 6, 0]]), *args[2:])
     with pytest.raises(ValueError, match="come together"):
-        ops.moe_down(act, ids, weights, down, t, True, None, shared_act, shared_down, shared_t, True, None)
-    with pytest.raises(ValueError, match="down_bias must be"):
-        ops.moe_down(act, ids, weights, down, t, True, torch.randn(5, h), None, None, 0, False, None)
+        ops.moe_token(*args[:16], shared_gate_up, shared_down, shared_t, True, None)
+    with pytest.raises(ValueError, match="bias must be"):
+        ops.moe_token(*args[:11], torch.randn(5, h), *args[12:])
 
 
 def test_moe_combine_sums_slots_in_order():

@@ -165,6 +165,7 @@ def op_cases():
     g = _g()
     x, ids = torch.randn(3, 64, generator=g), torch.tensor([[2, 0], [1, 2], [3, 1]])
     q8, mx = _blocks(T.Q8_0, 4, 8, 64), _blocks(T.MXFP4, 4, 8, 64)
+    gate_up, down, shared_down = _blocks(T.Q8_0, 4, 64, 64), _blocks(T.Q8_0, 4, 64, 32), _blocks(T.Q8_0, 1, 64, 32)[0]
     int8 = quantize_rows(torch.randn(4, 8, 64, generator=g))
     q, kv = torch.randn(1, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     dq, dk, dv = (torch.nn.functional.normalize(torch.randn(2, 3, 16, generator=g), dim=-1) for _ in range(3))
@@ -189,11 +190,12 @@ def op_cases():
         "moe_combine": [(ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g), None, None)),
                         (ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g),
                                            torch.randn(3, 1, generator=g), torch.randn(3, 64, generator=g)))],
-        "moe_down": [(ops.moe_down, (torch.randn(2, 64, generator=g), ids[:1], torch.rand(1, 2, generator=g), q8,
-                                     T.Q8_0, quantize, torch.randn(4, 8, generator=g) if shared is None else None,
-                                     shared, None if shared is None else q8[1], T.Q8_0, quantize,
-                                     None if shared is None else torch.randn(1, 1, generator=g)))
-                     for quantize, shared in ((False, None), (True, torch.randn(1, 64, generator=g)))],
+        "moe_token": [(ops.moe_token, (x[:1], ids[:1], torch.rand(1, 2, generator=g), gate_up, None, T.Q8_0, quantize,
+                                       torch.randn(4, 64, generator=g) if shared is None else None, down, T.Q8_0,
+                                       quantize, torch.randn(4, 64, generator=g) if shared is None else None,
+                                       kind, 1, 1.702, 7.0, shared, None if shared is None else shared_down, T.Q8_0,
+                                       quantize, None if shared is None else torch.randn(1, 1, generator=g)))
+                      for kind, quantize, shared in ((1, False, None), (0, True, torch.randn(1, 64, generator=g)))],
         "rope": [(ops.rope, (torch.randn(2, 3, 16, generator=g), torch.randn(2, 8, generator=g),
                              torch.randn(2, 8, generator=g)))],
         "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),
@@ -215,9 +217,9 @@ def _clone(args):
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-@pytest.mark.parametrize("name", sorted(set(CASES) - {"int8_linear", "int8_slots", "moe_down"}))
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"int8_linear", "int8_slots", "moe_token"}))
 def test_cuda_implementation_in_the_triton_interpreter(name):
-    """Each op's CUDA implementation (Triton kernels; int8 and moe_down are CPU-only), run on CPU tensors in Triton's
+    """Each op's CUDA implementation (Triton kernels; int8 and moe_token are CPU-only), run on CPU tensors in Triton's
     interpreter, agrees with its CPU implementation, mutated caches included (the fast mode is a CPU one:
     the GPU multiplies exactly)."""
     for op, args in CASES[name]:

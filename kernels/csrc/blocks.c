@@ -2383,7 +2383,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
     return failed ? -1 : 0;
 }
 
-/* ---- the end of a MoE layer's decode ---------------------------------------------------------------- */
+/* ---- the end of a MoE layer ----------------------------------------------------------------------- */
 
 /* out[t] = sum over j of w[t, j] * rows[t k + j] (j in order, each product rounded before it is added),
  * then, where gate is given, plus sigmoid(gate[t ldg]) * shared[t] (sigmoid as 1 / (1 + exp(-g))). rows
@@ -2404,17 +2404,90 @@ void raymoe_moe_combine(int64_t tokens, int64_t k, int64_t h, const float *rows,
     }
 }
 
-/* One token's routed experts after their activation, in one call: rows j = act[j] times the transpose of
- * expert experts[j] of the down stack (type t, [E, h rows of ff], w_stride bytes apart), plus row experts[j]
- * of down_bias ([E, h] float32) when given; the shared expert's down (type ts, [h rows of sff]) times
- * shared_act when given; then raymoe_moe_combine. The
- * products are raymoe_blocks_grouped's calls for the same slots (the same bits); quantize and
- * quantize_shared: each weight's mode. k: 1 to 64. scratch: (k + 1) h floats. Returns 0, or -1 when out of
- * memory (or k is out of range). */
-int raymoe_moe_down(int t, int quantize, const float *act, int64_t k, int64_t ff, const uint8_t *down,
-                    int64_t w_stride, const int64_t *experts, int64_t h, const float *down_bias, const float *w,
-                    int ts, int quantize_shared, const float *shared_act, int64_t sff, const uint8_t *shared_down,
-                    const float *gate, float *scratch, float *out) {
+/* ---- a MoE layer's activations ---------------------------------------------------------------------- */
+
+/* exp(d) as torch's vectorised CPU kernels compute it (SLEEF's expf, 1-ulp variant, with fused
+ * multiply-adds): the range reduction d = q ln2 + s in two parts, a degree-6 polynomial in s, then 2^q
+ * applied in two halves. torch's SiLU and sigmoid over whole vectors use this exp, so the activations
+ * below give their bits; raymoe_activation_check tells the caller whether they do on this host. */
+static inline float pow2i(int q) {
+    const uint32_t bits = (uint32_t)(q + 0x7f) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float vector_expf(float d) {
+    const float qf = rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    const float qc = qf < -200.0f ? -200.0f : qf > 200.0f ? 200.0f : qf;   /* beyond: overridden below */
+    const int q = (int)qc;
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = u * pow2i(q >> 1) * pow2i(q - (q >> 1));
+    u = d < -104.0f ? 0.0f : u;
+    return 100.0f < d ? INFINITY : u;
+}
+
+/* out[j, i] for the k rows of gate_up [k, 2 ff] ([gate | up] halves): kind 0, silu(gate) * up with silu(g) =
+ * g / (1 + exp(-g)); kind 1, gpt-oss's (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha g)) with
+ * g = min(gate, limit) and sigmoid(v) = 1 / (1 + exp(-v)). Each operation rounds as torch's does. exp is
+ * vector_expf with vector_exp set (a constant where this is inlined: the loops vectorise), else the C
+ * library's expf (torch without vector kernels). */
+static inline __attribute__((always_inline)) void activation_rows(int vector_exp, int kind, float alpha, float limit,
+                                                                  const float *gate_up, int64_t k, int64_t ff,
+                                                                  float *out) {
+    for (int64_t j = 0; j < k; j++) {
+        const float *g = gate_up + j * 2 * ff, *u = g + ff;
+        float *y = out + j * ff;
+        if (kind == 0)
+            for (int64_t i = 0; i < ff; i++)
+                y[i] = g[i] / (1.0f + (vector_exp ? vector_expf(-g[i]) : expf(-g[i]))) * u[i];
+        else
+            for (int64_t i = 0; i < ff; i++) {
+                const float gi = g[i] > limit ? limit : g[i];     /* NaN stays NaN, as torch's clamp */
+                const float ui = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+                const float v = -(gi * alpha);
+                y[i] = (ui + 1.0f) * (gi * (1.0f / (1.0f + (vector_exp ? vector_expf(v) : expf(v)))));
+            }
+    }
+}
+
+static void moe_activation(int kind, int exp_kind, float alpha, float limit, const float *gate_up, int64_t k,
+                           int64_t ff, float *out) {
+    if (exp_kind)
+        activation_rows(1, kind, alpha, limit, gate_up, k, ff, out);
+    else
+        activation_rows(0, kind, alpha, limit, gate_up, k, ff, out);
+}
+
+/* moe_activation of n rows for the caller to compare with torch's own: it decides whether this host's torch
+ * computes the same bits. */
+void raymoe_activation_check(int kind, int exp_kind, float alpha, float limit, const float *gate_up, int64_t n,
+                             int64_t ff, float *out) {
+    moe_activation(kind, exp_kind, alpha, limit, gate_up, n, ff, out);
+}
+
+/* ---- a MoE layer's decode for one token -------------------------------------------------------------- */
+
+/* One of a MoE layer's weights for raymoe_moe_token: a stack of experts (or one matrix) of GGML blocks. */
+typedef struct {
+    int type, quantize;             /* the GGML type; the fast (int8 activations) mode */
+    const uint8_t *raw, *raw2;      /* raw2: a second weight whose rows follow raw's (up after gate), or NULL */
+    int64_t stride, stride2, n1;    /* bytes from one expert to the next; raw's rows */
+    const float *bias;              /* [E, rows] float32, or NULL */
+} moe_weight;
+
+/* rows a..a+k of y ([k, n]) = x (row stride ldx, 0: one row for all) times the transpose of expert experts[j]
+ * of wt, plus its bias row: the call and the addition the separate ops make for these slots. */
+static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64_t k, const int64_t *experts,
+                        int64_t n, int64_t kk, float *y) {
     int64_t groups[3 * 64];
     if (k < 1 || k > 64) return -1;
     for (int64_t j = 0; j < k; j++) {
@@ -2422,17 +2495,34 @@ int raymoe_moe_down(int t, int quantize, const float *act, int64_t k, int64_t ff
         groups[3 * j + 1] = j;
         groups[3 * j + 2] = j + 1;
     }
-    float *rows = scratch, *shared = scratch + k * h;
-    if (raymoe_blocks_grouped(t, quantize, act, k, ff, down, w_stride, NULL, 0, h, groups, k, h, ff, rows, h))
+    if (raymoe_blocks_grouped(wt->type, wt->quantize, x, k, ldx, wt->raw, wt->stride, wt->raw2, wt->stride2,
+                              wt->n1, groups, k, n, kk, y, n))
         return -1;
-    for (int64_t j = 0; down_bias && j < k; j++)
-        for (int64_t i = 0; i < h; i++) rows[j * h + i] += down_bias[experts[j] * h + i];
-    if (shared_act) {
-        const int64_t one[3] = {0, 0, 1};
-        if (raymoe_blocks_grouped(ts, quantize_shared, shared_act, 1, sff, shared_down, 0, NULL, 0, h, one, 1, h, sff,
-                                  shared, h))
-            return -1;
+    for (int64_t j = 0; wt->bias && j < k; j++)
+        for (int64_t i = 0; i < n; i++) y[j * n + i] += wt->bias[experts[j] * n + i];
+    return 0;
+}
+
+/* One token's MoE layer after its router, in one call: for each slot j, expert experts[j]'s gate/up product of
+ * x [h], moe_activation (act, exp_kind, alpha, limit), its down product; the shared expert's activation of
+ * shared_gate_up [2 sff] (the router's product computed it) and down product, when given; then
+ * raymoe_moe_combine with the routing weights w [k] and the shared expert's gate. The same calls and
+ * additions as the separate ops for these slots: the same bits. k: 1 to 64. scratch: k (3 ff + h) + sff + h
+ * floats. Returns 0, or -1 when out of memory (or k is out of range). */
+int raymoe_moe_token(const float *x, int64_t h, int64_t k, const int64_t *experts, const float *w,
+                     const moe_weight *gate_up, int64_t ff, const moe_weight *down, int act, int exp_kind, float alpha,
+                     float limit, const float *shared_gate_up, int64_t sff, const moe_weight *shared_down,
+                     const float *gate, float *scratch, float *out) {
+    float *hidden = scratch, *activated = hidden + k * 2 * ff, *rows = activated + k * ff, *shared_act = rows + k * h,
+          *shared = shared_act + sff;
+    if (expert_slots(gate_up, x, 0, k, experts, 2 * ff, h, hidden)) return -1;
+    moe_activation(act, exp_kind, alpha, limit, hidden, k, ff, activated);
+    if (expert_slots(down, activated, ff, k, experts, h, ff, rows)) return -1;
+    if (shared_gate_up) {
+        const int64_t first = 0;
+        moe_activation(act, exp_kind, alpha, limit, shared_gate_up, 1, sff, shared_act);
+        if (expert_slots(shared_down, shared_act, 0, 1, &first, h, sff, shared)) return -1;
     }
-    raymoe_moe_combine(1, k, h, rows, w, shared_act ? gate : NULL, 1, shared, out);
+    raymoe_moe_combine(1, k, h, rows, w, shared_gate_up ? gate : NULL, 1, shared, out);
     return 0;
 }
