@@ -51,13 +51,17 @@ class MoESpec:
         return LocalExperts(gate_up, down, self.activation, gate_up_bias, down_bias, experts)
 
 
+def _cpu_block(weight) -> bool:
+    return isinstance(weight, BlockWeight) and weight.raw.is_cpu
+
+
 def _cpu_blocks(weight) -> tuple | None:
     """(raw, raw2, type, quantize) of GGML-block weights on the CPU: one BlockWeight, or a pair of one format
     (a GGUF file's gate and up experts); None for any other weight."""
     if isinstance(weight, ConcatWeight) and weight.pair:
         first, second = weight.parts
         return first.raw, second.raw, first.type, first.quantize_activations
-    if isinstance(weight, BlockWeight) and weight.raw.is_cpu:
+    if _cpu_block(weight):
         return weight.raw, None, weight.type, weight.quantize_activations
     return None
 
@@ -107,9 +111,8 @@ class MoE:
                 and blocks.library() is not None):
             return None
         gate_up, down, code = _cpu_blocks(experts.gate_up), experts.down, activation_code(s.activation)
-        one = lambda w: isinstance(w, BlockWeight) and w.raw.is_cpu     # noqa: E731
-        if (gate_up is None or not one(down) or code is None or s.expert_ff % 32 or s.shared_ff % 32
-                or (shared is not None and not one(shared))
+        if (gate_up is None or not _cpu_block(down) or code is None or s.expert_ff % 32 or s.shared_ff % 32
+                or (shared is not None and not _cpu_block(shared))
                 or any(b is not None and not b.is_contiguous() for b in (experts.gate_up_bias, experts.down_bias))):
             return None
         exp_kind = blocks.activation_exp(*code)

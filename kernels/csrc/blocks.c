@@ -2484,21 +2484,22 @@ typedef struct {
     const float *bias;              /* [E, rows] float32, or NULL */
 } moe_weight;
 
-/* rows a..a+k of y ([k, n]) = x (row stride ldx, 0: one row for all) times the transpose of expert experts[j]
- * of wt, plus its bias row: the call and the addition the separate ops make for these slots. */
-static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64_t k, const int64_t *experts,
-                        int64_t n, int64_t kk, float *y) {
+/* Row j of y ([slots, n]) = row j of x ([slots, k], row stride ldx; 0: one row for every slot) times the
+ * transpose of expert experts[j] of wt, plus that expert's bias row: the call and the addition the separate ops
+ * make for these slots. Returns 0, or -1 when out of memory (or slots is not 1 to 64). */
+static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64_t slots, const int64_t *experts,
+                        int64_t n, int64_t k, float *y) {
     int64_t groups[3 * 64];
-    if (k < 1 || k > 64) return -1;
-    for (int64_t j = 0; j < k; j++) {
+    if (slots < 1 || slots > 64) return -1;
+    for (int64_t j = 0; j < slots; j++) {
         groups[3 * j] = experts[j];
         groups[3 * j + 1] = j;
         groups[3 * j + 2] = j + 1;
     }
-    if (raymoe_blocks_grouped(wt->type, wt->quantize, x, k, ldx, wt->raw, wt->stride, wt->raw2, wt->stride2,
-                              wt->n1, groups, k, n, kk, y, n))
+    if (raymoe_blocks_grouped(wt->type, wt->quantize, x, slots, ldx, wt->raw, wt->stride, wt->raw2, wt->stride2,
+                              wt->n1, groups, slots, n, k, y, n))
         return -1;
-    for (int64_t j = 0; wt->bias && j < k; j++)
+    for (int64_t j = 0; wt->bias && j < slots; j++)
         for (int64_t i = 0; i < n; i++) y[j * n + i] += wt->bias[experts[j] * n + i];
     return 0;
 }
