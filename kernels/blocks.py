@@ -68,8 +68,8 @@ def load(arch: str | None = None) -> ctypes.CDLL | None:
     f, wp = ctypes.c_float, ctypes.POINTER(MoEWeight)
     lib.raymoe_moe_token.argtypes = [p, i, i, p, p, wp, i, wp, c, c, f, f, p, i, wp, p, p, p]
     lib.raymoe_moe_token.restype = c
-    lib.raymoe_activation_check.argtypes = [c, c, f, f, p, i, i, p]
-    lib.raymoe_activation_check.restype = None
+    lib.raymoe_moe_activation.argtypes = [c, c, f, f, p, i, i, p]
+    lib.raymoe_moe_activation.restype = None
     lib.sgemm = native._numpy_sgemm()
     _start_amx(lib)
     return lib
@@ -255,7 +255,7 @@ def moe_token(x: torch.Tensor, experts: list[int], weights: torch.Tensor, gate_u
               shared_down: tuple | None, gate: torch.Tensor | None) -> torch.Tensor:
     """ops.moe_token's CPU call (see there): one token's k slots, k <= 64. gate_up: (raw [E, F, bytes], raw2
     [E, F, bytes] or None, type, quantize, bias [E, 2F] or None); down: (raw [E, H, bytes], type, quantize,
-    bias [E, H] or None); activation: (kind, exp kind, alpha, limit) as blocks.c's moe_activation takes them;
+    bias [E, H] or None); activation: (kind, exp kind, alpha, limit) as blocks.c's raymoe_moe_activation takes them;
     shared_down: (raw [H, bytes], type, quantize) with shared_gate_up [1, 2S] and gate [1, 1], or all None."""
     h, k = x.shape[-1], len(experts)
     _check_rows(x, "x", 1, h)
@@ -292,32 +292,28 @@ def moe_token(x: torch.Tensor, experts: list[int], weights: torch.Tensor, gate_u
     return out
 
 
-def activation_exp(kind: int, alpha: float, limit: float) -> int | None:
-    """Which exp (1: vector_expf, 0: the C library's) gives the library's MoE activation (blocks.c's
-    moe_activation) the bits of torch's here (kernels.moe's swiglu, or clamped_swiglu with alpha and limit),
-    or None when neither does: the library's exp is SLEEF's, which torch's vectorised kernels use, and
-    the check is against whatever this torch build computes. Rows of 64 values (a multiple of every vector
+def activation_exp(activation, kind: int, alpha: float, limit: float) -> int | None:
+    """Which exp (1: vector_expf, 0: the C library's) gives the library's MoE activation (kind, alpha, limit:
+    blocks.c's raymoe_moe_activation) the bits of torch's `activation` (kernels.moe.activation_code gives its
+    code) here, or None when neither does: the library's exp is SLEEF's, which torch's vectorised kernels use,
+    and the check is against whatever this torch build computes. Rows of 64 values (a multiple of every vector
     length, so torch takes its vector formula throughout)."""
     lib = library()
-    return None if lib is None else _activation_exp(lib, kind, alpha, limit)
+    return None if lib is None else _activation_exp(lib, activation, kind, alpha, limit)
 
 
 @lru_cache(maxsize=None)
-def _activation_exp(lib: ctypes.CDLL, kind: int, alpha: float, limit: float) -> int | None:
-    from functools import partial
-    from .moe import clamped_swiglu, swiglu
-    reference = swiglu if kind == 0 else partial(clamped_swiglu, alpha=alpha, limit=limit)
+def _activation_exp(lib: ctypes.CDLL, activation, kind: int, alpha: float, limit: float) -> int | None:
     g = torch.Generator().manual_seed(0)
     values = torch.cat([torch.randn(8192, generator=g) * scale for scale in (1, 4, 30, 120)] +
                        [torch.tensor([0.0, -0.0, 1e-40, -1e-40, 87.5, -87.5, 88.7, -88.7, 103.9, -103.9, 104.1,
                                       -104.1, 150.0, -150.0, float("inf"), float("-inf"), float("nan")] * 8)])
     values = values[:values.numel() // 64 * 64].view(-1, 64)
     gate_up = torch.cat([values, values.flip(0)], 1)
-    want = reference(gate_up)
+    want = activation(gate_up)
     for exp_kind in (1, 0):
         got = torch.empty_like(want)
-        lib.raymoe_activation_check(kind, exp_kind, alpha, limit, gate_up.data_ptr(), got.shape[0], 64,
-                                    got.data_ptr())
+        lib.raymoe_moe_activation(kind, exp_kind, alpha, limit, gate_up.data_ptr(), got.shape[0], 64, got.data_ptr())
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())   # NaNs: any bits
         if bool(same.all()):
             return exp_kind

@@ -70,7 +70,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 def activation_code(activation: Callable) -> tuple[int, float, float] | None:
     """(kind, alpha, limit) of an expert activation as the C library computes it (blocks.c's
-    moe_activation: 0 swiglu, 1 clamped_swiglu), or None for any other function."""
+    raymoe_moe_activation: 0 swiglu, 1 clamped_swiglu), or None for any other function."""
     if activation is swiglu:
         return 0, 0.0, 0.0
     if isinstance(activation, partial) and activation.func is clamped_swiglu and not activation.args:

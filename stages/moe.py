@@ -102,7 +102,8 @@ class MoE:
         self.token_call = self._token_call()
 
     def _token_call(self) -> tuple | None:
-        """ops.moe_token's arguments from gate_up to limit, where one token's MoE after its router can be one
+        """ops.moe_token's arguments that do not change from call to call (from gate_up to limit, and of the
+        shared expert its weight, type and mode), where one token's MoE after its router can be one
         call: on the CPU with the block kernels, all of the layer's experts here, GGML-block weights, an
         activation the library computes with this torch's bits (blocks.activation_exp), at widths that torch
         computes by its vector formula throughout (multiples of 32 values). None otherwise."""
@@ -115,12 +116,13 @@ class MoE:
                 or (shared is not None and not _cpu_block(shared))
                 or any(b is not None and not b.is_contiguous() for b in (experts.gate_up_bias, experts.down_bias))):
             return None
-        exp_kind = blocks.activation_exp(*code)
+        exp_kind = blocks.activation_exp(s.activation, *code)
         if exp_kind is None:
             return None
         kind, alpha, limit = code
-        return (*gate_up, experts.gate_up_bias, down.raw, down.type, down.quantize_activations, experts.down_bias,
-                kind, exp_kind, alpha, limit)
+        return ((*gate_up, experts.gate_up_bias, down.raw, down.type, down.quantize_activations, experts.down_bias,
+                 kind, exp_kind, alpha, limit),
+                (None, 0, False) if shared is None else (shared.raw, shared.type, shared.quantize_activations))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -130,9 +132,7 @@ class MoE:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
         if self.token_call is not None and x.shape[0] == 1:   # a decode step's token: the bits below, one call
-            shared = self.shared_down
-            return ops.moe_token(x, ids, weights, *self.token_call, shared_gate_up,
-                                 None if shared is None else shared.raw, 0 if shared is None else shared.type,
-                                 shared is not None and shared.quantize_activations, shared_gate)
+            experts, shared = self.token_call
+            return ops.moe_token(x, ids, weights, *experts, shared_gate_up, *shared, shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
         return combine_slots(*self.experts(x, ids), weights, shared_gate, shared)

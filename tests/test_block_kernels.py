@@ -563,13 +563,14 @@ def test_moe_activation_in_c_gives_torchs_bits(variant, kind, alpha, limit):
     edges = torch.linspace(-110, 110, 1 << 16)
     values = torch.cat([bits.view(torch.float32), edges, torch.randn(1 << 16, generator=g) * 6]).view(-1, 128)
     gate_up = torch.cat([values, values.roll(1, 0)], 1)
-    exp_kind = blocks.activation_exp(kind, alpha, limit)
+    activation = _torch_activation(kind, alpha, limit)
+    exp_kind = blocks.activation_exp(activation, kind, alpha, limit)
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert exp_kind == 1
     got = torch.empty_like(values)
-    variant.raymoe_activation_check(kind, exp_kind, alpha, limit, gate_up.data_ptr(), values.shape[0], 128,
-                                    got.data_ptr())
-    want = _torch_activation(kind, alpha, limit)(gate_up)
+    variant.raymoe_moe_activation(kind, exp_kind, alpha, limit, gate_up.data_ptr(), values.shape[0], 128,
+                                  got.data_ptr())
+    want = activation(gate_up)
     same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
     assert bool(same.all()), f"{int((~same).sum())} values differ"
 
@@ -591,7 +592,8 @@ def test_moe_token_gives_the_separate_calls_bits(variant, t, shared_t):
     x, shared_gate_up = torch.randn(1, h, generator=g), torch.randn(1, 2 * sff, generator=g) * 3
     ids, weights, shared_gate = torch.tensor([[5, 1, 3, 0]]), torch.rand(1, k, generator=g), torch.randn(1, 1, generator=g)
     for kind, alpha, limit in ACTIVATIONS:
-        activation, exp_kind = _torch_activation(kind, alpha, limit), blocks.activation_exp(kind, alpha, limit)
+        activation = _torch_activation(kind, alpha, limit)
+        exp_kind = blocks.activation_exp(activation, kind, alpha, limit)
         for quantize, biases in ((True, None), (False, None),
                                  (True, (torch.randn(6, 2 * ff, generator=g), torch.randn(6, h, generator=g)))):
             up_bias, down_bias = biases or (None, None)

@@ -2409,7 +2409,7 @@ void raymoe_moe_combine(int64_t tokens, int64_t k, int64_t h, const float *rows,
 /* exp(d) as torch's vectorised CPU kernels compute it (SLEEF's expf, 1-ulp variant, with fused
  * multiply-adds): the range reduction d = q ln2 + s in two parts, a degree-6 polynomial in s, then 2^q
  * applied in two halves. torch's SiLU and sigmoid over whole vectors use this exp, so the activations
- * below give their bits; raymoe_activation_check tells the caller whether they do on this host. */
+ * below give their bits; the caller checks with raymoe_moe_activation that they do on this host. */
 static inline float pow2i(int q) {
     const uint32_t bits = (uint32_t)(q + 0x7f) << 23;
     float f;
@@ -2459,19 +2459,14 @@ static inline __attribute__((always_inline)) void activation_rows(int vector_exp
     }
 }
 
-static void moe_activation(int kind, int exp_kind, float alpha, float limit, const float *gate_up, int64_t k,
+/* activation_rows with exp_kind 1 (vector_expf) or 0 (expf). Exported too: the caller compares it with torch's
+ * own, which decides whether this host's torch computes the same bits. */
+void raymoe_moe_activation(int kind, int exp_kind, float alpha, float limit, const float *gate_up, int64_t k,
                            int64_t ff, float *out) {
     if (exp_kind)
         activation_rows(1, kind, alpha, limit, gate_up, k, ff, out);
     else
         activation_rows(0, kind, alpha, limit, gate_up, k, ff, out);
-}
-
-/* moe_activation of n rows for the caller to compare with torch's own: it decides whether this host's torch
- * computes the same bits. */
-void raymoe_activation_check(int kind, int exp_kind, float alpha, float limit, const float *gate_up, int64_t n,
-                             int64_t ff, float *out) {
-    moe_activation(kind, exp_kind, alpha, limit, gate_up, n, ff, out);
 }
 
 /* ---- a MoE layer's decode for one token -------------------------------------------------------------- */
@@ -2505,7 +2500,7 @@ static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64
 }
 
 /* One token's MoE layer after its router, in one call: for each slot j, expert experts[j]'s gate/up product of
- * x [h], moe_activation (act, exp_kind, alpha, limit), its down product; the shared expert's activation of
+ * x [h], raymoe_moe_activation (act, exp_kind, alpha, limit), its down product; the shared expert's activation of
  * shared_gate_up [2 sff] (the router's product computed it) and down product, when given; then
  * raymoe_moe_combine with the routing weights w [k] and the shared expert's gate. The same calls and
  * additions as the separate ops for these slots: the same bits. k: 1 to 64. scratch: k (3 ff + h) + sff + h
@@ -2517,11 +2512,11 @@ int raymoe_moe_token(const float *x, int64_t h, int64_t k, const int64_t *expert
     float *hidden = scratch, *activated = hidden + k * 2 * ff, *rows = activated + k * ff, *shared_act = rows + k * h,
           *shared = shared_act + sff;
     if (expert_slots(gate_up, x, 0, k, experts, 2 * ff, h, hidden)) return -1;
-    moe_activation(act, exp_kind, alpha, limit, hidden, k, ff, activated);
+    raymoe_moe_activation(act, exp_kind, alpha, limit, hidden, k, ff, activated);
     if (expert_slots(down, activated, ff, k, experts, h, ff, rows)) return -1;
     if (shared_gate_up) {
         const int64_t first = 0;
-        moe_activation(act, exp_kind, alpha, limit, shared_gate_up, 1, sff, shared_act);
+        raymoe_moe_activation(act, exp_kind, alpha, limit, shared_gate_up, 1, sff, shared_act);
         if (expert_slots(shared_down, shared_act, 0, 1, &first, h, sff, shared)) return -1;
     }
     raymoe_moe_combine(1, k, h, rows, w, shared_gate_up ? gate : NULL, 1, shared, out);
