@@ -32,3 +32,22 @@ def test_bad_inputs_get_one_line_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         launch.check_device(x)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_decode_attention_past_the_cache_end_changes_no_bit(d):
+    """A decode step replayed as a CUDA graph reads a KV cache's whole storage (stages/decode_graph.py): the
+    rows past the end (EMPTY_POSITION; zeros, or keys a window has passed) leave every bit as it was."""
+    from stages.cache import EMPTY_POSITION
+
+    g = torch.Generator().manual_seed(0)
+    held, storage = 70, 256
+    k, v = torch.randn(storage, 2, d, generator=g), torch.randn(storage, 2, d, generator=g)
+    k_pos = torch.arange(storage)
+    k_pos[held:] = EMPTY_POSITION
+    q, gate, sinks = torch.randn(1, 4, d, generator=g), torch.randn(1, 4, d, generator=g), torch.randn(4, generator=g)
+    q_pos = torch.tensor([held - 1])
+    for options in ({}, {"window": 8, "sinks": sinks}, {"gate": gate}):
+        want = attention.attention(q, k[:held], v[:held], q_pos, k_pos[:held], d ** -0.5, **options)
+        got = attention.attention(q, k, v, q_pos, k_pos, d ** -0.5, **options)
+        assert torch.equal(got, want), options
