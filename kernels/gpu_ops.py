@@ -4,14 +4,21 @@ one Triton launch replaces several torch ones, but a Triton launch costs the hos
 small sizes the host's launching is what a step waits for. tests/gpu/run.py measures both ways."""
 from __future__ import annotations
 
+import os
+
 import torch
 
-# Measured on an H200 (tests/gpu/run.py, batch-1 decode of the full-size synthetic files): torch for every
-# op but these ran at 33.1 tok/s (gpt-oss-20b) and 12.8 (Qwen3.5-35B-A3B), Triton for every op at 13.6
-# and 6.5. delta_rule stays: its recurrent and chunked forms replace a Python loop over a prompt's tokens.
-# The others ("attention", "conv1d", "delta_step", "rms_norm", "rope", "routing") are kept for when
-# decode steps are replayed as CUDA graphs, where launch cost no longer counts.
-TRITON_OPS = {"delta_rule"}
+# Decode steps replayed as CUDA graphs (stages/decode_graph.py); RAYMOE_CUDA_GRAPHS=0 runs them eagerly.
+CUDA_GRAPHS = os.environ.get("RAYMOE_CUDA_GRAPHS", "1") != "0"
+ALL_OPS = {"delta_rule", "attention", "conv1d", "delta_step", "rms_norm", "rope", "routing"}
+# Measured on an H200 (tests/gpu/run.py, batch-1 decode of the full-size synthetic files, 2026-12-04, one
+# run, before the decode attention kernel): eager steps, torch for every op but delta_rule 17.5 tok/s
+# (gpt-oss-20b) and 10.0 (Qwen3.5-35B-A3B), Triton for every op 7.0 and 4.3 (the host's launching is what
+# such a step waits for); CUDA graphs, Triton for every op 56.6 and 40.7, torch for the small ops 46.6 and
+# 31.5. Under graphs the Triton kernels also keep the eager step's bits: the attention kernel adds nothing
+# for the empty rows a graph reads past a cache's end, where torch's softmax sums in another order.
+# delta_rule always: its recurrent and chunked forms replace a Python loop over a prompt's tokens.
+TRITON_OPS = set(ALL_OPS) if CUDA_GRAPHS else {"delta_rule"}
 
 
 def use_triton(op: str, t: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ from kernels.norms import rms_norm
 from kernels.pointwise import sigmoid
 from kernels.rope import apply_rope, rope_cos_sin
 
-from .cache import KVCache
+from .cache import GRAPH_ROWS, KVCache
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,13 @@ class AttentionSpec:
         return Attention(self, w, p, eps, rope, max_len)
 
 
+def _least_rows(device: torch.device) -> int:
+    """The least storage a decode step gives a KV cache: on a GPU, GRAPH_ROWS, so that a cache seldom moves
+    (each move means a new CUDA graph) and decode steps, replayed or eager, find the same rows (a sliding
+    window moves its keys when the storage is full: the split kernel's sums follow the rows)."""
+    return GRAPH_ROWS if device.type == "cuda" else 0
+
+
 class Attention:
     """The attention of the layer whose tensors start with `p`. rope: (inverse frequencies, cos/sin
     multiplier); fewer frequencies than head_dim / 2 rotate only the leading part of each head.
@@ -79,7 +86,7 @@ class Attention:
         return KVCache(window=self.window, max_len=self.max_len)
 
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
-        q, k, v, gate = self._heads(x, *self._rope(ctx))
+        q, k, v, gate = self._heads(x, *self._rope(ctx.positions, ctx.memo))
         out = torch.empty_like(q)
         for sid, rows, _ in ctx.batch.segments():
             cache = ctx.caches[sid][layer]
@@ -91,19 +98,44 @@ class Attention:
 
     def decode_inputs(self, ctx, layer: int):
         """A decode step's host part: the positions, the RoPE table, and each sequence's keys, values and
-        positions with a row more (decode writes it)."""
+        positions with a row more (decode writes it: its last)."""
         s, device = self.spec, ctx.positions.device
-        kv = [ctx.caches[sid][layer].reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device)
+        kv = [(*ctx.caches[sid][layer].reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device,
+                                               least=_least_rows(device)), None)
               for sid in ctx.batch.seq_ids]
-        return ctx.positions, *self._rope(ctx), kv
+        return ctx.positions, *self._rope(ctx.positions, ctx.memo), kv
+
+    def graph_state(self, ctx, layer: int):
+        """The host part of a decode step replayed as a CUDA graph (stages/decode_graph.py): each sequence's
+        cache grown by a row; returns their whole storage (keys, values, positions: addresses that stay while
+        the storage does) and the row each writes."""
+        s, device = self.spec, ctx.positions.device
+        storage, rows = [], []
+        for sid in ctx.batch.seq_ids:
+            cache = ctx.caches[sid][layer]
+            cache.reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device, least=_least_rows(device))
+            storage.append((cache.k, cache.v, cache.pos))
+            rows.append(cache.length - 1)
+        return storage, rows
+
+    def graph_inputs(self, storage, rows: torch.Tensor, positions: torch.Tensor, memo: dict):
+        """decode's inputs from graph_state's storage, the rows as a tensor [n]: attention reads every row of
+        the storage (the empty ones have EMPTY_POSITION: masked)."""
+        kv = [(*tensors, rows[i:i + 1]) for i, tensors in enumerate(storage)]
+        return positions, *self._rope(positions, memo), kv
 
     def decode(self, x: torch.Tensor, inputs) -> torch.Tensor:
-        """One token of each sequence (row i is sequence i's), inputs from decode_inputs."""
+        """One token of each sequence (row i is sequence i's), inputs from decode_inputs (or graph_inputs)."""
         positions, cos, sin, kv = inputs
         q, k, v, gate = self._heads(x, cos, sin)
         out = []
-        for i, (keys, values, k_pos) in enumerate(kv):
-            keys[-1], values[-1], k_pos[-1] = k[i], v[i], positions[i]
+        for i, (keys, values, k_pos, row) in enumerate(kv):
+            if row is None:
+                keys[-1], values[-1], k_pos[-1] = k[i], v[i], positions[i]
+            else:       # a row given as a tensor: the same step for every row a graph replays it at
+                keys.index_copy_(0, row, k[i:i + 1])
+                values.index_copy_(0, row, v[i:i + 1])
+                k_pos.index_copy_(0, row, positions[i:i + 1])
             out.append(attention(q[i:i + 1], keys, values, positions[i:i + 1], k_pos, self.spec.head_dim ** -0.5,
                                  window=self.window, sinks=self.sinks))
         return self._output(out[0] if len(out) == 1 else torch.cat(out), gate)
@@ -112,12 +144,14 @@ class Attention:
         for sid in ctx.batch.seq_ids:
             ctx.caches[sid][layer].trim()
 
-    def _rope(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
         # one table per step, shared by every layer (the parameters are the model's, not the layer's)
-        if "rope" not in ctx.memo:
+        if "rope" not in memo:
             inv_freq, scale = self.rope
-            ctx.memo["rope"] = rope_cos_sin(ctx.positions, inv_freq.to(ctx.positions.device), scale)
-        return ctx.memo["rope"]
+            if inv_freq.device != positions.device:     # moved once: a CUDA graph cannot copy from the host
+                self.rope = inv_freq, scale = inv_freq.to(positions.device), scale
+            memo["rope"] = rope_cos_sin(positions, inv_freq, scale)
+        return memo["rope"]
 
     def _heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, H, D] and k, v [T, Hkv, D] after the norms and RoPE, and the output gate (or None)."""

@@ -5,18 +5,28 @@ from dataclasses import dataclass
 
 import torch
 
+# The position of a cache row that holds no key: no query's position reaches it, so attention masks it by
+# causality. A decode step replayed as a CUDA graph reads the whole storage (stages/decode_graph.py).
+EMPTY_POSITION = 1 << 62
+# The least storage a KV cache has in a decode step replayed as a CUDA graph: each time it grows (moves),
+# the step is captured again
+GRAPH_ROWS = 256
+
 
 class KVCache:
     """Keys/values of one sequence for one attention layer, with their absolute positions.
 
     Storage grows by doubling, up to `max_len` positions (the context). With a window, at most twice
     `window` positions are kept (see trim), so memory stays bounded however long the sequence gets.
+    Rows past `length` have the position EMPTY_POSITION (and finite keys and values: zeros, or keys that
+    a window has passed), so that attention over the whole storage is attention over the rows held.
     """
 
     def __init__(self, window: int | None = None, max_len: int | None = None):
         self.window, self.max_len = window, max_len
         self.k = self.v = self.pos = None
         self.length = 0
+        self.least = 16         # the least storage it keeps (reserve's `least`)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """Append k/v [n, H, D] at positions pos [n]; returns all keys, values and positions held."""
@@ -25,24 +35,28 @@ class KVCache:
         keys[self.length - n:], values[self.length - n:], positions[self.length - n:] = k, v, pos
         return keys, values, positions
 
-    def reserve(self, n: int, head_shape, dtype, device):
+    def reserve(self, n: int, head_shape, dtype, device, least: int = 0):
         """Room for n more positions, left for the caller to fill: returns every key, value and position
-        held, the last n rows the new ones (a decode step writes them in its traced part)."""
+        held, the last n rows the new ones (a decode step writes them in its traced part). least: storage
+        for at least this many positions (at most max_len) from now on."""
+        if least > self.least:
+            self.least = min(least, self.max_len) if self.max_len else least
         if self.k is None:
-            cap = max(n, 16)
-            self.k = torch.empty((cap, *head_shape), dtype=dtype, device=device)
-            self.v = torch.empty((cap, *head_shape), dtype=dtype, device=device)
-            self.pos = torch.empty(cap, dtype=torch.long, device=device)
-        elif self.length + n > self.k.shape[0]:
+            cap = max(n, self.least)
+            self.k = torch.zeros((cap, *head_shape), dtype=dtype, device=device)
+            self.v = torch.zeros((cap, *head_shape), dtype=dtype, device=device)
+            self.pos = torch.full((cap,), EMPTY_POSITION, dtype=torch.long, device=device)
+        elif self.length + n > self.k.shape[0] or self.k.shape[0] < self.least:
             cap = max(self.length + n, 2 * self.k.shape[0])
             if self.max_len:
                 cap = max(self.length + n, min(cap, self.max_len))
+            cap = max(cap, self.least)
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
         self.length += n
         return self.k[:self.length], self.v[:self.length], self.pos[:self.length]
 
     def _grow(self, t: torch.Tensor, cap: int) -> torch.Tensor:
-        out = t.new_empty((cap,) + t.shape[1:])
+        out = t.new_full((cap,) + t.shape[1:], EMPTY_POSITION if t is self.pos else 0)
         out[:self.length] = t[:self.length]
         return out
 
@@ -53,11 +67,12 @@ class KVCache:
         steps, not every step (attention masks out the older positions it still holds)."""
         if self.window is None or self.k is None:
             return
-        cap = max(2 * self.window, 16)
+        cap = max(2 * self.window, self.least)
         if self.length > self.window and (self.length >= self.k.shape[0] or self.k.shape[0] > cap):
             keep = slice(self.length - self.window, self.length)
             for t in (self.k, self.v, self.pos):
                 t[:self.window] = t[keep].clone()
+            self.pos[self.window:] = EMPTY_POSITION
             self.length = self.window
         if self.k.shape[0] > cap:
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
@@ -85,7 +100,8 @@ class KVCache:
     def restore(self, snap: tuple):
         k, v, pos, capacity = snap
         self.length = k.shape[0]
-        self.k, self.v, self.pos = (t.new_empty((capacity,) + t.shape[1:]) for t in (k, v, pos))
+        self.k, self.v = (t.new_zeros((capacity,) + t.shape[1:]) for t in (k, v))
+        self.pos = pos.new_full((capacity,), EMPTY_POSITION)
         self.k[:self.length], self.v[:self.length], self.pos[:self.length] = k, v, pos
 
     @staticmethod
@@ -97,7 +113,8 @@ class KVCache:
     def capacity_bound(length: int, max_len: int) -> int:
         """The most positions extend() allocates for a sequence that never holds more than `length`
         (<= max_len): it grows only when full, to at most twice what it holds, never past max_len, and
-        starts at 16 or the first chunk."""
+        starts at 16 or the first chunk. (For a CPU stage's admission by memory: on a GPU, where nothing is
+        admitted by it, decode keeps at least GRAPH_ROWS.)"""
         return min(max_len, max(16, 2 * length))
 
 

@@ -199,6 +199,13 @@ class DeltaNet:
         stack = DeltaNetStack.of([ctx.caches[sid][layer] for sid in ctx.batch.seq_ids])
         return stack.conv, stack.state
 
+    def graph_state(self, ctx, layer: int):
+        """The host part of a decode step replayed as a CUDA graph: the stacked caches, no rows."""
+        return self.decode_inputs(ctx, layer), []
+
+    def graph_inputs(self, storage, rows, positions, memo):
+        return storage
+
     def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
         """One token of each sequence (row i is sequence i's); the stacked caches are updated in place."""
         return self._output(self.net.decode_all(*self._projections(x), *caches))

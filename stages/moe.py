@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from kernels import blocks, ops
+from kernels import moe as expert_kernels
 from kernels.linear import linear
 from kernels.moe import CPU_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs, swiglu
 from kernels.weights import BlockWeight, ConcatWeight
@@ -123,6 +124,12 @@ class MoE:
         return ((*gate_up, experts.gate_up_bias, down.raw, down.type, down.quantize_activations, experts.down_bias,
                  kind, exp_kind, alpha, limit),
                 (None, 0, False) if shared is None else (shared.raw, shared.type, shared.quantize_activations))
+
+    def host_free(self, n: int) -> bool:
+        """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can
+        hold): the experts in this process, few enough slots for slot products (kernels/moe.py)."""
+        return (isinstance(self.experts, LocalExperts) and self.experts.experts is None
+                and n * self.spec.n_used <= expert_kernels.GPU_SLOT_PRODUCTS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import gpu_ops
 from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
 from kernels.threads import loading_threads, torch_threads_for
 from kernels.weights import Loading, cat_weights
 
+from . import decode_graph
 from .batch import StepBatch, StepContext
 from .errors import ModelFormatError
 from .loader import MODES, ModelFiles, mode_device_error
@@ -108,6 +110,9 @@ class Stage:
         self.matchers = Matchers(model.tokenizer, model.config.vocab) if self.last else None
         # a stage that embeds and samples: the token it sampled last per sequence (StepBatch.follow)
         self.sampled: dict[int, int] = {}
+        # on a GPU, decode steps replay as CUDA graphs where they can (stages/decode_graph.py)
+        self.graphs = decode_graph.DecodeGraphs(self.layers) if self.device.type == "cuda" and \
+            gpu_ops.CUDA_GRAPHS else None
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
@@ -158,8 +163,11 @@ class Stage:
         ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
         with torch_threads_for(batch.n_tokens):
-            for layer in self.layers:
-                x = layer(x, ctx)
+            if self.graphs is not None and batch.decoding and not ops and self.graphs.usable(len(batch.seq_ids)):
+                x = self.graphs(x, ctx)
+            else:
+                for layer in self.layers:
+                    x = layer(x, ctx)
             if ops:
                 self.prefix.store(ops, self.caches)
             # a few attribute reads per sequence and layer: negligible next to the step

@@ -313,7 +313,17 @@ def _few_rows_options(args: dict, block_m: int) -> tuple[int, dict]:
     return block_n, dict(args, BLOCK_M=block_m, BLOCK_N=block_n, HALVES=halves, UNROLL=unroll, num_warps=warps)
 
 
+# (rows, device) -> the table of one group over every row, as a plain product has: made once, so that a
+# product inside a CUDA graph's capture copies nothing from the host (and the graph's table stays)
+_WHOLE_TABLES: dict = {}
+
+
 def _table(groups, device) -> torch.Tensor:
+    if len(groups) == 1 and groups[0][:2] == (0, 0):
+        key = (groups[0][2], str(device))
+        if key not in _WHOLE_TABLES:
+            _WHOLE_TABLES[key] = torch.tensor(groups, dtype=torch.int64, device=device)
+        return _WHOLE_TABLES[key]
     return torch.tensor(groups, dtype=torch.int64, device=device)
 
 
