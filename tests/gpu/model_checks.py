@@ -19,6 +19,7 @@ import time
 import torch
 
 from kernels import gpu_ops
+from stages import decode_graph
 from stages.engine import LocalEngine
 from stages.loader import open_model
 from stages.sampling import SamplingParams
@@ -35,12 +36,23 @@ VARIANTS = {"Triton for every op": {"delta_rule", "attention", "conv1d", "delta_
             "torch for the small ops": {"delta_rule"}}
 
 
-def _generate(files, device: str, n_stages: int = 1, max_tokens: int = 32) -> list[dict]:
+def _generate(files, device: str, n_stages: int = 1, max_tokens: int = 32, prompts=PROMPTS, graphs: bool = True,
+              runners: list | None = None) -> list[dict]:
+    """Greedy generations with logprobs; graphs False: decode steps eager (no CUDA graphs); runners: a list
+    that gets each stage's DecodeGraphs."""
     engine = LocalEngine(files, n_stages=n_stages, mode="float32", device=device)
+    _use_graphs(engine, graphs)
+    if runners is not None:
+        runners.extend(stage.graphs for stage in engine.stages)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True)
-    seqs = [engine.add_request(str(i), files.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
+    seqs = [engine.add_request(str(i), files.tokenizer.encode(p), params) for i, p in enumerate(prompts)]
     engine.run_until_done()
     return [s.result() for s in seqs]
+
+
+def _use_graphs(engine, on: bool) -> None:
+    for stage in engine.stages:
+        stage.graphs = decode_graph.DecodeGraphs(stage.layers) if on and stage.device.type == "cuda" else None
 
 
 def _compare(cpu: list[dict], gpu: list[dict]) -> tuple[int, float]:
@@ -84,6 +96,75 @@ def outputs() -> int:
     return failures
 
 
+def graphs() -> int:
+    """Decode steps replayed as CUDA graphs against the same requests with every step eager, both embedded
+    models on the GPU, the default ops (kernels/gpu_ops.py): the same tokens, logprobs within LOGPROB_BOUND,
+    and whether they are the same bits; at 1 and 4 sequences."""
+    failures = 0
+    for name in ("tiny-qwen35moe", "tiny-gptoss"):
+        files = open_model(name)
+        for n in (1, 4):
+            start, runners = time.perf_counter(), []
+            eager = _generate(files, "cuda", prompts=PROMPTS[:n], graphs=False)
+            graphed = _generate(files, "cuda", prompts=PROMPTS[:n], runners=runners)
+            differ, worst = _compare(eager, graphed)
+            replayed = sum(r.replayed for r in runners)
+            ok = differ == 0 and worst <= LOGPROB_BOUND and replayed > 0
+            failures += not ok
+            print(f"  {'pass' if ok else 'FAIL'}  {name}, {n} sequence(s): graphs vs eager: {differ} sequence(s) "
+                  f"differ, max |logprob diff| {worst:.2e}, same bits: {eager == graphed}; "
+                  f"{sum(r.captured for r in runners)} captured, {replayed} steps replayed "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+    return failures
+
+
+def _graph_ms(engine, replays: int = 20) -> float:
+    """The GPU time of the first stage's last captured decode step replayed alone (it scribbles on the
+    sequence's caches: clear the engine after)."""
+    step = next(reversed(engine.stages[0].graphs.steps.values()))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        step.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays * 1000
+
+
+def _host_breakdown(engine, steps: int = 32) -> str:
+    """Where a decode step's wall time goes: engine.step, the stages' forward in it (which waits for the
+    GPU when it copies the logits), the graph runner's call in that (host work and launches: it does not
+    wait) and the sampling."""
+    import stages.stage as stage_module
+
+    spent = {"step": 0.0, "forward": 0.0, "graphs": 0.0, "sampling": 0.0}
+
+    def timed(key, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return run
+
+    real_call, real_sample = decode_graph.DecodeGraphs.__call__, stage_module.sample_chunks
+    decode_graph.DecodeGraphs.__call__ = timed("graphs", real_call)
+    stage_module.sample_chunks = timed("sampling", real_sample)
+    forwards = [(stage, stage.forward) for stage in engine.stages]
+    for stage, forward in forwards:
+        stage.forward = timed("forward", forward)
+    try:
+        for _ in range(steps):
+            timed("step", engine.step)()
+    finally:
+        decode_graph.DecodeGraphs.__call__, stage_module.sample_chunks = real_call, real_sample
+        for stage, forward in forwards:
+            del stage.forward
+    ms = {k: v / steps * 1000 for k, v in spent.items()}
+    return (f"a step {ms['step']:.2f} ms: forward {ms['forward']:.2f} (the graph runner's call {ms['graphs']:.2f}, "
+            f"sampling {ms['sampling']:.2f}), the engine around it {ms['step'] - ms['forward']:.2f}")
+
+
 def _bytes_per_token(files) -> tuple[int, int]:
     """(weight bytes the file holds, weight bytes one batch-1 decode step reads): every matrix once,
     the routed experts' share n_used / n_expert, the embedding one row."""
@@ -103,7 +184,8 @@ def _decode_rate(engine, n_steps: int) -> tuple[float, int]:
     """(seconds, tokens) of n_steps engine steps once every sequence decodes."""
     while any(s.n_cached < len(s.prompt_ids) for s in engine.sequences.values()):
         engine.step()
-    engine.step()          # warm: every kernel variant of a decode step compiled
+    engine.step()          # warm: every kernel variant of a decode step compiled,
+    engine.step()          # and the step captured as a CUDA graph (on its second step)
     torch.cuda.synchronize()
     before = sum(len(s.output_ids) for s in engine.sequences.values())
     start = time.perf_counter()
@@ -159,28 +241,35 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     prompt = files.tokenizer.encode("The quick brown fox jumps over the lazy dog")[:8]
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
     roofline = peak_gb_s * 1e9 / per_token if peak_gb_s else math.nan
-    best, default_ops = None, gpu_ops.TRITON_OPS
-    for label, ops in VARIANTS.items():
+    default_ops = gpu_ops.TRITON_OPS
+    variants = [("eager, torch for the small ops (RAYMOE_CUDA_GRAPHS=0)", False, {"delta_rule"}),
+                ("CUDA graphs, Triton for every op (the default)", True, gpu_ops.ALL_OPS)]
+    for label, graphs_on, ops in variants:
+        _use_graphs(engine, graphs_on)
         gpu_ops.TRITON_OPS = ops
         _clear(engine)
         engine.add_request("one", prompt, params)
-        seconds, tokens = _decode_rate(engine, 16)
+        seconds, tokens = _decode_rate(engine, 32)
         single = tokens / seconds
         print(f"  batch 1, {label}: {single:.1f} tok/s ({1000 / single:.2f} ms/token), weights read at "
               f"{per_token * single / 1e9:.0f} GB/s" + (f" = {single / roofline:.1%} of the HBM roofline "
                                                         f"({roofline:.0f} tok/s at {peak_gb_s:.0f} GB/s)"
                                                         if peak_gb_s else ""), flush=True)
-        if best is None or single > best[1]:
-            best = (label, single)
-    gpu_ops.TRITON_OPS = VARIANTS[best[0]]
+    print(f"  host: {_host_breakdown(engine)}", flush=True)
     _profile_step(engine)
+    graph_ms = _graph_ms(engine)
+    print(f"  the layers' graph replayed alone: {graph_ms:.2f} ms a step ({1000 / graph_ms:.0f} steps/s); the rest "
+          f"of a step above is the host's (embedding, LM head, sampling, the engine)", flush=True)
     _clear(engine)
     for i in range(BATCH):
         engine.add_request(f"b{i}", prompt, params)
+    before = engine.stages[0].graphs.replayed
     seconds, tokens = _decode_rate(engine, 16)
     batched = tokens / seconds
-    print(f"  batch {BATCH} ({best[0]}): {batched:.1f} tok/s aggregate = {batched / best[1]:.1f}x batch 1 "
-          f"(max memory allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
+    replayed = engine.stages[0].graphs.replayed - before
+    print(f"  batch {BATCH} (CUDA graphs, {replayed} steps replayed): {batched:.1f} tok/s aggregate = "
+          f"{batched / single:.1f}x batch 1 (max memory allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)",
+          flush=True)
     gpu_ops.TRITON_OPS = default_ops
     del engine
     torch.cuda.empty_cache()

@@ -14,7 +14,7 @@
    (tools/cuda_ipc.py); then full-size synthetic files (tools.make_synthetic, written to --folder): load time,
    batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
 
-    --sections kernels,bandwidth,outputs,ipc,decode   (default: all; decode:MODEL for one model)
+    --sections kernels,bandwidth,outputs,graphs,ipc,decode   (default: all; decode:MODEL for one model)
     --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
 Without CUDA it says so and exits 0. Exit status 1 when a case fails.
@@ -281,7 +281,7 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel variant; no GPU needed")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     parser.add_argument("--record", help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default="kernels,bandwidth,outputs,ipc,decode")
+    parser.add_argument("--sections", default="kernels,bandwidth,outputs,graphs,ipc,decode")
     parser.add_argument("--decode-models", default="gpt-oss-20b,qwen3.5-35b-a3b")
     parser.add_argument("--folder", default="/tmp", help="where the synthetic files are written (12-16 GB each)")
     args = parser.parse_args()
@@ -303,6 +303,7 @@ def main() -> int:
         "kernels": ("Triton kernels against the CPU kernels", check_kernels),
         "bandwidth": ("block products (timings: no check)", lambda: _timings(bandwidth)),
         "outputs": ("models on the GPU against the CPU", models.outputs),
+        "graphs": ("decode steps as CUDA graphs against eager steps", models.graphs),
         "ipc": ("PP=2 across processes through CUDA IPC", models.ipc),
         "decode": ("full-size synthetic models", lambda: sum(models.decode(m, peak, args.folder)
                                                              for m in args.decode_models.split(","))),
