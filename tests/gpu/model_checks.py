@@ -4,9 +4,11 @@ outputs()   both embedded models on --device cuda against the CPU (float32 mode 
             arithmetic up to summation order): 32 greedy tokens for a batch of prompts must be the same
             tokens, their logprobs within LOGPROB_BOUND; and the GPU at PP=2 and PP=4 (stages in one
             process, on one device) must give the GPU's PP=1 results exactly.
+graphs()    decode steps replayed as CUDA graphs against eager steps (stages/decode_graph.py).
 decode()    a full-size synthetic file (tools.make_synthetic) on the GPU: load time, batch-1 decode
-            tok/s and the weight bytes it reads per second against the device's peak (the roofline:
-            bytes read per token / bandwidth), and the aggregate tok/s of BATCH sequences decoding together.
+            tok/s eager and with CUDA graphs, and the weight bytes it reads per second against the
+            device's peak (the roofline: bytes read per token / bandwidth), where a step's time goes, and
+            the aggregate tok/s of BATCH sequences decoding together.
 """
 from __future__ import annotations
 

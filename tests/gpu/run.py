@@ -10,9 +10,10 @@
    models' expert shapes and a few one-row tile choices: time per call and the weight bytes read per
    second, against the device's peak bandwidth when it is known.
 3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
-   against PP=1; PP=2 with the second stage in another process, activations through CUDA IPC
-   (tools/cuda_ipc.py); then full-size synthetic files (tools.make_synthetic, written to --folder): load time,
-   batch-1 decode tok/s against the HBM roofline, and the aggregate tok/s of 64 sequences.
+   against PP=1; decode steps replayed as CUDA graphs against eager ones; PP=2 with the second stage in
+   another process, activations through CUDA IPC (tools/cuda_ipc.py); then full-size synthetic files
+   (tools.make_synthetic, written to --folder): load time, batch-1 decode tok/s eager and with CUDA graphs
+   against the HBM roofline, where a step's time goes, and the aggregate tok/s of 64 sequences.
 
     --sections kernels,bandwidth,outputs,graphs,ipc,decode   (default: all; decode:MODEL for one model)
     --decode-models gpt-oss-20b,qwen3.5-35b-a3b
