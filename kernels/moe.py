@@ -19,12 +19,14 @@ from .linear import grouped_linear, slot_linear
 from .pointwise import sigmoid, silu
 
 # On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
-# device (no host synchronisation, so a CUDA graph can hold the step; an expert chosen by several of them
-# is read once per slot); more are sorted by expert on the host so that each expert's weights are read
-# once. Measured on an H200 (tests/gpu/run.py, 64 sequences decoding, 2026-12-04): with 1024 the steps
-# are CUDA graphs and give 221 tok/s (gpt-oss-20b) and 206 (Qwen3.5-35B-A3B); with 16, eager steps
-# sorting on the host, 174 and 167.
-GPU_SLOT_PRODUCTS = 1024
+# device (no host synchronisation; an expert chosen by several of them is read once per slot); more are
+# sorted by expert on the host so that each expert's weights are read once. A decode step's slots may be
+# more (GPU_DECODE_SLOT_PRODUCTS), so that a CUDA graph can hold the step: measured on an H200
+# (tests/gpu/run.py, 64 sequences decoding, 2026-12-04), steps as graphs with slot products gave 221 tok/s
+# (gpt-oss-20b) and 206 (Qwen3.5-35B-A3B), eager steps sorting on the host 174 and 167. A prompt's chunk
+# stays sorted: its many tokens choose every expert many times.
+GPU_SLOT_PRODUCTS = 16
+GPU_DECODE_SLOT_PRODUCTS = 1024
 # On the CPU, up to this many (a decode step's) also run as slot products: the op sorts them by expert
 # itself (a CPU tensor: no synchronisation), as the plan below does, so the results are the same bits.
 CPU_SLOT_PRODUCTS = 64
@@ -81,10 +83,17 @@ def activation_code(activation: Callable) -> tuple[int, float, float] | None:
     return None
 
 
+def slot_limit(x: torch.Tensor, decoding: bool) -> int:
+    """The most slots of x's tokens that run as slot products (above)."""
+    if not x.is_cuda:
+        return CPU_SLOT_PRODUCTS
+    return GPU_DECODE_SLOT_PRODUCTS if decoding else GPU_SLOT_PRODUCTS
+
+
 def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                         activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
                         gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                        experts: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        experts: range | None = None, decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Unweighted expert outputs for every (token, slot) routed to an expert in `experts`.
 
     x [T, H]; ids [T, k]; gate_up [E', 2F, H]; down [E', H, F] hold experts `experts`
@@ -93,9 +102,10 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     runs one product over its tokens, and the activation runs once over all of them.
 
     A decode step's slots (all experts here, few slots) run as slot products (kernels/ops.py), the
-    ids left a tensor: then slots is None and rows are every slot's, in slot order.
+    ids left a tensor: then slots is None and rows are every slot's, in slot order. decoding: x is a
+    decode step's (one token per sequence), which a GPU takes as slot products in larger numbers.
     """
-    if experts is None and ids.numel() <= (GPU_SLOT_PRODUCTS if x.is_cuda else CPU_SLOT_PRODUCTS):
+    if experts is None and ids.numel() <= slot_limit(x, decoding):
         h = slot_linear(x, gate_up, ids, gate_up_bias)
         return None, slot_linear(activation(h), down, ids.reshape(-1, 1), down_bias)
     experts = experts if experts is not None else range(gate_up.shape[0])

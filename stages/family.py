@@ -105,7 +105,7 @@ class Block:
     def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
         """One token of each of x's rows, caches what the mixer's decode_inputs gave (updated in place)."""
         h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps), decoding=True)
 
 
 class MixerSpec(Protocol):

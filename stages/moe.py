@@ -78,9 +78,9 @@ class LocalExperts:
     down_bias: torch.Tensor | None
     experts: range | None
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor):
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, decoding: bool = False):
         return expert_slot_outputs(x, ids, self.gate_up, self.down, self.activation, self.gate_up_bias,
-                                   self.down_bias, experts=self.experts)
+                                   self.down_bias, experts=self.experts, decoding=decoding)
 
 
 class MoE:
@@ -129,9 +129,10 @@ class MoE:
         """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can
         hold): the experts in this process, few enough slots for slot products (kernels/moe.py)."""
         return (isinstance(self.experts, LocalExperts) and self.experts.experts is None
-                and n * self.spec.n_used <= expert_kernels.GPU_SLOT_PRODUCTS)
+                and n * self.spec.n_used <= expert_kernels.GPU_DECODE_SLOT_PRODUCTS)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decoding: bool = False) -> torch.Tensor:
+        """x: tokens [T, H]; decoding: a decode step's (one token per sequence)."""
         s = self.spec
         logits = linear(x, self.inputs, self.router_bias)
         shared_gate = shared_gate_up = None
@@ -142,4 +143,6 @@ class MoE:
             experts, shared = self.token_call
             return ops.moe_token(x, ids, weights, *experts, shared_gate_up, *shared, shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
-        return combine_slots(*self.experts(x, ids), weights, shared_gate, shared)
+        local = isinstance(self.experts, LocalExperts)
+        return combine_slots(*(self.experts(x, ids, decoding) if local else self.experts(x, ids)), weights,
+                             shared_gate, shared)
