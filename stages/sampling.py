@@ -335,11 +335,14 @@ class ChunkSampling:
 def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=None) -> list:
     """Per chunk (token or None, its logprob entry or None, [prompt logprob entries]), or a one-line error
     message when that chunk's sampling raised (a bug or bad numbers: its sequence alone fails, the step
-    does not). Greedy chunks without logprobs (the common case) share one argmax over their rows.
+    does not). Greedy chunks without logprobs (the common case) share one argmax over their rows, on the
+    logits' device (a GPU's: only the token ids come to the host); the others sample on the host.
     `matchers` (stages.structured.Matchers) gives the masks of the chunks with a grammar, all at once."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
              and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None]
     best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
+    if logits.device.type != "cpu" and any((c.tip is not None and c.tip not in best) or c.targets for c in chunks):
+        logits = logits.cpu()       # the rest samples on the host (its generators are the CPU's)
     constrained = [c for c in chunks if c.tip is not None and c.params.grammar is not None]
     masks = matchers.masks([(c.seq_id, c.params.grammar, c.output_ids or []) for c in constrained]) \
         if constrained else []

@@ -175,9 +175,9 @@ class Stage:
             if not self.last:
                 return x
             x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
-            logits = linear(x, self.head).float().cpu()      # sampling runs on the host
+            logits = linear(x, self.head).float()
         if batch.sampling is None:
-            return logits
+            return logits.cpu()
         results = sample_chunks(logits, batch.sampling, self.matchers)
         if self.first:      # the next step may be planned before these tokens reach the coordinator
             for c, result in zip(batch.sampling, results):
