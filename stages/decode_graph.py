@@ -98,9 +98,9 @@ class DecodeGraphs:
     def _capture(self, key, step: _Step, states) -> _Step | None:
         """Records the step as a graph (computing nothing), or None if that fails: the step then runs
         eagerly, as the next of its size does (a kernel the capture met uncompiled is compiled then)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()      # one memory pool for the stage's graphs
         try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()      # one memory pool for the stage's graphs
             graph = torch.cuda.CUDAGraph()
             # thread_local: what other threads of an actor do on the GPU meanwhile does not break the capture
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
