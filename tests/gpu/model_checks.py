@@ -272,10 +272,36 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     print(f"  batch {BATCH} (CUDA graphs, {replayed} steps replayed): {batched:.1f} tok/s aggregate = "
           f"{batched / single:.1f}x batch 1 (max memory allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)",
           flush=True)
+    print(f"  {_churn(engine, prompt)}", flush=True)
     gpu_ops.TRITON_OPS = default_ops
     del engine
     torch.cuda.empty_cache()
     return 0
+
+
+def _churn(engine, prompt, n: int = 48, running: int = 16) -> str:
+    """Continuous batching, where graphs are weakest: n requests of 8-64 new tokens each, at most `running`
+    at once, so the batch changes whenever one finishes or joins (each change a capture). Aggregate tok/s
+    with graphs and eager (as RAYMOE_CUDA_GRAPHS=0 runs: torch for the small ops)."""
+    import random
+
+    lengths = random.Random(0).choices(range(8, 65), k=n)
+    rates, default_running, default_ops, captured = [], engine.max_running, gpu_ops.TRITON_OPS, 0
+    for on in (True, False):
+        _use_graphs(engine, on)
+        gpu_ops.TRITON_OPS = gpu_ops.ALL_OPS if on else {"delta_rule"}
+        _clear(engine)
+        engine.max_running = running
+        for i, m in enumerate(lengths):
+            engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.run_until_done()
+        rates.append(sum(lengths) / (time.perf_counter() - start))
+        captured += sum(stage.graphs.captured for stage in engine.stages if stage.graphs is not None)
+    engine.max_running, gpu_ops.TRITON_OPS = default_running, default_ops
+    return (f"churn ({n} requests of 8-64 tokens, at most {running} at once, prefill included): graphs "
+            f"{rates[0]:.1f} tok/s ({captured} captures), eager {rates[1]:.1f}")
 
 
 def _stage_process(model: str, layers: tuple[int, int], requests, replies):
