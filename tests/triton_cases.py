@@ -126,18 +126,21 @@ def check_grouped_product(t: T, device: str) -> None:
 
 def check_slot_product(t: T, device: str) -> None:
     """Each row through the expert its id names, the ids a device tensor (routed decode tokens, repeats
-    included): the bound of check_grouped_product."""
+    included): the bound of check_grouped_product. 6 rows (a launch with a row per slot) and 40 (sorted
+    by expert on the device: 20 rows of one expert, so more than one FEW_ROWS pass, and one expert unused)."""
     rng = np.random.default_rng(300 + int(t))
-    k, n, experts = block_row_length(t), 40, 4
+    k, n, experts = block_row_length(t), 40, 5
     raw = random_blocks(rng, t, experts * n, k).reshape(experts, n, -1)
-    x = torch.from_numpy(rng.standard_normal((6, k), dtype=np.float32))
-    ids = torch.tensor([3, 0, 3, 1, 2, 0])
-    out = torch.empty(6, n, device=device)
-    blocks.slot_product(x.to(device), raw.to(device), t, k, ids.to(device), out)
-    w = dequantize(raw, t).double()[ids]
-    want = torch.einsum("mk,mnk->mn", x.double(), w)
-    mag = torch.einsum("mk,mnk->mn", x.double().abs(), w.abs())
-    assert_within(out, want, (32 + k / 32 + 2) * U * mag, f"{t.name} slot product")
+    many = torch.tensor([3] * 20 + [0, 1, 4] * 6 + [0, 1])[torch.from_numpy(rng.permutation(40))]
+    for ids in (torch.tensor([3, 0, 3, 1, 2, 0]), many):
+        m = len(ids)
+        x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        out = torch.empty(m, n, device=device)
+        blocks.slot_product(x.to(device), raw.to(device), t, k, ids.to(device), out)
+        w = dequantize(raw, t).double()[ids]
+        want = torch.einsum("mk,mnk->mn", x.double(), w)
+        mag = torch.einsum("mk,mnk->mn", x.double().abs(), w.abs())
+        assert_within(out, want, (32 + k / 32 + 2) * U * mag, f"{t.name} slot product, {m} rows")
 
 
 def check_linear(device: str) -> None:

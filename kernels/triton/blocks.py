@@ -29,6 +29,9 @@ from .launch import check_device
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
          T.MXFP4)
 FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer ones use tl.dot tiles
+# slot products of more rows than this sort them by expert on the device (slot_product); not yet timed on a
+# GPU against one launch with a row per slot, which reads an expert once for each row that chose it
+SORTED_SLOTS = 16
 # few-row tiles by the group's rows rounded up to a power of two: (weight rows a program, 16-value
 # half-pieces a step, warps, steps unrolled). Rows x weight rows x step = 2048 float32 accumulators. At one
 # row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM), 512 values of each
@@ -173,7 +176,35 @@ def _half_pieces(row_ptrs, k0, starts, i, K, QK: tl.constexpr, TYPE_SIZE: tl.con
 def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                      TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
-    """Program (n tile, group): all rows of a group of at most BLOCK_M times BLOCK_N weight rows.
+    """Program (n tile, group): all rows of a group of at most BLOCK_M times BLOCK_N weight rows
+    (_few_rows_tile)."""
+    g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
+    a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
+    b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
+    _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out_ptr, out_stride, N, K,
+                   TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
+
+
+@triton.jit
+def _expert_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, bounds_ptr, out_ptr, out_stride, N, K,
+                        TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr,
+                        VALUE_MASK: tl.constexpr):
+    """Program (n tile, expert g): rows bounds[g]..bounds[g+1] of x (rows sorted by expert), BLOCK_M at a
+    time; an expert no row chose does nothing."""
+    g = tl.program_id(1)
+    a = tl.load(bounds_ptr + g)
+    b = tl.load(bounds_ptr + g + 1)
+    for r0 in range(a, b, BLOCK_M):
+        _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g.to(tl.int64), r0, b, out_ptr, out_stride,
+                       N, K, TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
+
+
+@triton.jit
+def _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out_ptr, out_stride, N, K,
+                   TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
+    """Rows a..min(b, a + BLOCK_M) of x times BLOCK_N rows of weight g (the program's n tile).
 
     Memory-bound at one row: the program walks the rows HALVES*16 values at a time (several blocks'
     bytes in flight at once) and keeps one float32 accumulator per (row, weight row, value of the step),
@@ -182,9 +213,6 @@ def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr,
     the full shape (at one row, the weight tile's own shape: the compiler gives memory accesses of one
     shape the widest access among them, so both are laid out alike, consecutive values a thread, and
     nothing moves through shared memory between them)."""
-    g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
-    a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
-    b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
     rows = a + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # the last tile's columns past N repeat row N-1 (read, never stored): the loads need no column mask
@@ -330,14 +358,27 @@ def _table(groups, device) -> torch.Tensor:
 def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, experts: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """out[i] = x[i] @ deq(raw[experts[i]]).T for every row i: experts int64 [M] stays on the device, so
-    routed tokens need no sorting on the host (no synchronisation: decode's few tokens). Ids must be
-    in range (the router's top-k are). One few-row launch with a one-row group per slot."""
+    routed tokens need no sorting on the host (no synchronisation: decode's tokens). Ids must be in range
+    (the router's top-k are). Up to SORTED_SLOTS rows, one few-row launch with a one-row group per slot
+    (an expert chosen by several rows is read once for each); more are sorted by expert on the device
+    and each expert's rows go through it together (_expert_rows_kernel: each chosen expert read once a
+    FEW_ROWS rows)."""
     _check_raw(raw, ggml_type, k, 3)
     _check_matrix(x, "x", None, k)
     m, n = x.shape[0], raw.shape[1]
     _check_matrix(out, "out", m, n)
     check_device(x, raw, out, experts)
-    if m and n:
+    if m > SORTED_SLOTS and n:
+        experts = experts.reshape(-1).to(torch.int64)
+        order = torch.argsort(experts, stable=True)
+        bounds = torch.searchsorted(experts[order], torch.arange(raw.shape[0] + 1, device=x.device))
+        xs, ys = x.index_select(0, order), x.new_empty(m, n)
+        block_n, options = _few_rows_options(_options(ggml_type, k), FEW_ROWS)
+        _expert_rows_kernel[(triton.cdiv(n, block_n), raw.shape[0])](xs, xs.stride(0), raw, raw.stride(0),
+                                                                     raw.shape[2], bounds, ys, ys.stride(0), n, k,
+                                                                     **options)
+        out.index_copy_(0, order, ys)
+    elif m and n:
         rows = torch.arange(m, device=x.device)
         table = torch.stack((experts.reshape(-1).to(torch.int64), rows, rows + 1), 1).contiguous()
         block_n, options = _few_rows_options(_options(ggml_type, k), 1)

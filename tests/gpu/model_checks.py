@@ -262,16 +262,21 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     graph_ms = _graph_ms(engine)
     print(f"  the layers' graph replayed alone: {graph_ms:.2f} ms a step ({1000 / graph_ms:.0f} steps/s); the rest "
           f"of a step above is the host's (embedding, LM head, sampling, the engine)", flush=True)
-    _clear(engine)
-    for i in range(BATCH):
-        engine.add_request(f"b{i}", prompt, params)
-    before = engine.stages[0].graphs.replayed
-    seconds, tokens = _decode_rate(engine, 16)
-    batched = tokens / seconds
-    replayed = engine.stages[0].graphs.replayed - before
-    print(f"  batch {BATCH} (CUDA graphs, {replayed} steps replayed): {batched:.1f} tok/s aggregate = "
-          f"{batched / single:.1f}x batch 1 (max memory allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)",
-          flush=True)
+    from kernels.triton import blocks
+
+    default_sorted = blocks.SORTED_SLOTS
+    for sorted_slots, how in ((default_sorted, "experts' rows sorted on the device"), (1 << 30, "a row per slot")):
+        blocks.SORTED_SLOTS = sorted_slots
+        _use_graphs(engine, True)
+        _clear(engine)
+        for i in range(BATCH):
+            engine.add_request(f"b{i}", prompt, params)
+        seconds, tokens = _decode_rate(engine, 16)
+        batched = tokens / seconds
+        print(f"  batch {BATCH} (CUDA graphs, {engine.stages[0].graphs.replayed} steps replayed; slot products: {how}): "
+              f"{batched:.1f} tok/s aggregate = {batched / single:.1f}x batch 1 (max memory allocated "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
+    blocks.SORTED_SLOTS = default_sorted
     print(f"  {_churn(engine, prompt)}", flush=True)
     gpu_ops.TRITON_OPS = default_ops
     del engine
