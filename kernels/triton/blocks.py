@@ -30,7 +30,8 @@ TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T
          T.MXFP4)
 FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer ones use tl.dot tiles
 # slot products of more rows than this sort them by expert on the device (slot_product); not yet timed on a
-# GPU against one launch with a row per slot, which reads an expert once for each row that chose it
+# GPU against one launch with a row per slot, which reads an expert once for each row that chose it (and
+# needs no sort: few rows)
 SORTED_SLOTS = 16
 # few-row tiles by the group's rows rounded up to a power of two: (weight rows a program, 16-value
 # half-pieces a step, warps, steps unrolled). Rows x weight rows x step = 2048 float32 accumulators. At one
@@ -186,18 +187,17 @@ def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr,
 
 
 @triton.jit
-def _expert_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, bounds_ptr, out_ptr, out_stride, N, K,
+def _expert_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                         TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr,
                         VALUE_MASK: tl.constexpr):
-    """Program (n tile, expert g): rows bounds[g]..bounds[g+1] of x (rows sorted by expert), BLOCK_M at a
-    time; an expert no row chose does nothing."""
-    g = tl.program_id(1)
-    a = tl.load(bounds_ptr + g)
-    b = tl.load(bounds_ptr + g + 1)
+    """Program (n tile, group): a group of any number of rows (empty: nothing to do), BLOCK_M at a time."""
+    g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
+    a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
+    b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
     for r0 in range(a, b, BLOCK_M):
-        _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g.to(tl.int64), r0, b, out_ptr, out_stride,
-                       N, K, TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
+        _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, r0, b, out_ptr, out_stride, N, K,
+                       TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
 
 
 @triton.jit
@@ -361,7 +361,7 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
     routed tokens need no sorting on the host (no synchronisation: decode's tokens). Ids must be in range
     (the router's top-k are). Up to SORTED_SLOTS rows, one few-row launch with a one-row group per slot
     (an expert chosen by several rows is read once for each); more are sorted by expert on the device
-    and each expert's rows go through it together (_expert_rows_kernel: each chosen expert read once a
+    and each expert's rows go through it together (_expert_rows_kernel: each chosen expert read once per
     FEW_ROWS rows)."""
     _check_raw(raw, ggml_type, k, 3)
     _check_matrix(x, "x", None, k)
@@ -369,14 +369,12 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
     _check_matrix(out, "out", m, n)
     check_device(x, raw, out, experts)
     if m > SORTED_SLOTS and n:
-        experts = experts.reshape(-1).to(torch.int64)
-        order = torch.argsort(experts, stable=True)
-        bounds = torch.searchsorted(experts[order], torch.arange(raw.shape[0] + 1, device=x.device))
+        table, order = _expert_groups(experts.reshape(-1).to(torch.int64), raw.shape[0])
         xs, ys = x.index_select(0, order), x.new_empty(m, n)
         block_n, options = _few_rows_options(_options(ggml_type, k), FEW_ROWS)
-        _expert_rows_kernel[(triton.cdiv(n, block_n), raw.shape[0])](xs, xs.stride(0), raw, raw.stride(0),
-                                                                     raw.shape[2], bounds, ys, ys.stride(0), n, k,
-                                                                     **options)
+        _expert_rows_kernel[(triton.cdiv(n, block_n), table.shape[0])](xs, xs.stride(0), raw, raw.stride(0),
+                                                                       raw.shape[2], table, ys, ys.stride(0), n, k,
+                                                                       **options)
         out.index_copy_(0, order, ys)
     elif m and n:
         rows = torch.arange(m, device=x.device)
@@ -385,6 +383,23 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
         _few_rows_kernel[(triton.cdiv(n, block_n), m)](x, x.stride(0), raw, raw.stride(0), raw.shape[2], table, out,
                                                        out.stride(0), n, k, **options)
     return out
+
+
+def _expert_groups(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, order): the rows in order of expert (stable), and one (expert, first, end) entry per group
+    of rows of one expert in that order, min(experts, rows) entries, the ones past the last group empty
+    (first = end = rows). Device operations only: nothing is read on the host."""
+    m = experts.shape[0]
+    order = torch.argsort(experts, stable=True)
+    ordered = experts[order]
+    first = torch.ones(m, dtype=torch.bool, device=experts.device)
+    first[1:] = ordered[1:] != ordered[:-1]
+    group = torch.cumsum(first, 0) - 1                  # each ordered row's group
+    count = min(n_experts, m)
+    starts = torch.full((count + 1,), m, dtype=torch.int64, device=experts.device)
+    starts.scatter_reduce_(0, group, torch.arange(m, device=experts.device), "amin")
+    table = torch.stack((ordered[starts[:count].clamp(max=m - 1)], starts[:count], starts[1:]), 1).contiguous()
+    return table, order
 
 
 def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
