@@ -167,6 +167,25 @@ def _host_breakdown(engine, steps: int = 32) -> str:
             f"sampling {ms['sampling']:.2f}), the engine around it {ms['step'] - ms['forward']:.2f}")
 
 
+def _host_profile(engine, steps: int = 16, top: int = 15) -> str:
+    """The host's functions that take most of a decode step (cProfile, cumulative time, per step)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return "\n".join([f"  host functions by own time over {steps} steps (cProfile):"]
+                     + ["    " + line for line in lines[start:start + top + 1]])
+
+
 def _bytes_per_token(files) -> tuple[int, int]:
     """(weight bytes the file holds, weight bytes one batch-1 decode step reads): every matrix once,
     the routed experts' share n_used / n_expert, the embedding one row."""
@@ -258,6 +277,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
                                                         f"({roofline:.0f} tok/s at {peak_gb_s:.0f} GB/s)"
                                                         if peak_gb_s else ""), flush=True)
     print(f"  host: {_host_breakdown(engine)}", flush=True)
+    print(_host_profile(engine), flush=True)
     _profile_step(engine)
     graph_ms = _graph_ms(engine)
     print(f"  the layers' graph replayed alone: {graph_ms:.2f} ms a step ({1000 / graph_ms:.0f} steps/s); the rest "
