@@ -12,7 +12,7 @@ from kernels.norms import rms_norm
 from kernels.pointwise import sigmoid
 from kernels.rope import apply_rope, rope_cos_sin
 
-from .cache import GRAPH_ROWS, KVCache
+from .cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,6 @@ class AttentionSpec:
         return Attention(self, w, p, eps, rope, max_len)
 
 
-def _least_rows(device: torch.device) -> int:
-    """The least storage a decode step gives a KV cache: on a GPU, GRAPH_ROWS, so that a cache seldom moves
-    (each move means a new CUDA graph) and decode steps, replayed or eager, find the same rows (a sliding
-    window moves its keys when the storage is full: the split kernel's sums follow the rows)."""
-    return GRAPH_ROWS if device.type == "cuda" else 0
-
-
 class Attention:
     """The attention of the layer whose tensors start with `p`. rope: (inverse frequencies, cos/sin
     multiplier); fewer frequencies than head_dim / 2 rotate only the leading part of each head.
@@ -99,24 +92,21 @@ class Attention:
     def decode_inputs(self, ctx, layer: int):
         """A decode step's host part: the positions, the RoPE table, and each sequence's keys, values and
         positions with a row more (decode writes it: its last)."""
-        s, device = self.spec, ctx.positions.device
-        kv = [(*ctx.caches[sid][layer].reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device,
-                                               least=_least_rows(device)), None)
-              for sid in ctx.batch.seq_ids]
+        kv = [(*held, None) for _, held in self._reserve(ctx, layer)]
         return ctx.positions, *self._rope(ctx.positions, ctx.memo), kv
 
     def graph_state(self, ctx, layer: int):
         """The host part of a decode step replayed as a CUDA graph (stages/decode_graph.py): each sequence's
         cache grown by a row; returns their whole storage (keys, values, positions: addresses that stay while
         the storage does) and the row each writes."""
+        caches = [cache for cache, _ in self._reserve(ctx, layer)]
+        return [(c.k, c.v, c.pos) for c in caches], [c.length - 1 for c in caches]
+
+    def _reserve(self, ctx, layer: int) -> list:
+        """(cache, what it holds with the new row) of each sequence, a row reserved for this step's token."""
         s, device = self.spec, ctx.positions.device
-        storage, rows = [], []
-        for sid in ctx.batch.seq_ids:
-            cache = ctx.caches[sid][layer]
-            cache.reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device, least=_least_rows(device))
-            storage.append((cache.k, cache.v, cache.pos))
-            rows.append(cache.length - 1)
-        return storage, rows
+        caches = [ctx.caches[sid][layer] for sid in ctx.batch.seq_ids]
+        return [(c, c.reserve(1, (s.n_kv_head, s.head_dim), torch.float32, device)) for c in caches]
 
     def graph_inputs(self, storage, rows: torch.Tensor, positions: torch.Tensor, memo: dict):
         """decode's inputs from graph_state's storage, the rows as a tensor [n]: attention reads every row of

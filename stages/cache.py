@@ -8,8 +8,8 @@ import torch
 # The position of a cache row that holds no key: no query's position reaches it, so attention masks it by
 # causality. A decode step replayed as a CUDA graph reads the whole storage (stages/decode_graph.py).
 EMPTY_POSITION = 1 << 62
-# The least storage a KV cache has in a decode step replayed as a CUDA graph: each time it grows (moves),
-# the step is captured again
+# The least storage a KV cache on a GPU has: a decode step replayed as a CUDA graph is captured again each
+# time a cache grows (moves); and eager and replayed steps then find the same rows
 GRAPH_ROWS = 256
 
 
@@ -26,7 +26,6 @@ class KVCache:
         self.window, self.max_len = window, max_len
         self.k = self.v = self.pos = None
         self.length = 0
-        self.least = 16         # the least storage it keeps (reserve's `least`)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """Append k/v [n, H, D] at positions pos [n]; returns all keys, values and positions held."""
@@ -35,25 +34,29 @@ class KVCache:
         keys[self.length - n:], values[self.length - n:], positions[self.length - n:] = k, v, pos
         return keys, values, positions
 
-    def reserve(self, n: int, head_shape, dtype, device, least: int = 0):
+    def reserve(self, n: int, head_shape, dtype, device):
         """Room for n more positions, left for the caller to fill: returns every key, value and position
-        held, the last n rows the new ones (a decode step writes them in its traced part). least: storage
-        for at least this many positions (at most max_len) from now on."""
-        if least > self.least:
-            self.least = min(least, self.max_len) if self.max_len else least
+        held, the last n rows the new ones (a decode step writes them in its traced part)."""
+        least = self._least(device)
         if self.k is None:
-            cap = max(n, self.least)
+            cap = max(n, least)
             self.k = torch.zeros((cap, *head_shape), dtype=dtype, device=device)
             self.v = torch.zeros((cap, *head_shape), dtype=dtype, device=device)
             self.pos = torch.full((cap,), EMPTY_POSITION, dtype=torch.long, device=device)
-        elif self.length + n > self.k.shape[0] or self.k.shape[0] < self.least:
+        elif self.length + n > self.k.shape[0] or self.k.shape[0] < least:
             cap = max(self.length + n, 2 * self.k.shape[0])
             if self.max_len:
                 cap = max(self.length + n, min(cap, self.max_len))
-            cap = max(cap, self.least)
+            cap = max(cap, least)
             self.k, self.v, self.pos = (self._grow(t, cap) for t in (self.k, self.v, self.pos))
         self.length += n
         return self.k[:self.length], self.v[:self.length], self.pos[:self.length]
+
+    def _least(self, device) -> int:
+        """The least storage it keeps: GRAPH_ROWS on a GPU (at most max_len), 16 elsewhere."""
+        if torch.device(device).type != "cuda":
+            return 16
+        return min(GRAPH_ROWS, self.max_len) if self.max_len else GRAPH_ROWS
 
     def _grow(self, t: torch.Tensor, cap: int) -> torch.Tensor:
         out = t.new_full((cap,) + t.shape[1:], EMPTY_POSITION if t is self.pos else 0)
@@ -67,7 +70,7 @@ class KVCache:
         steps, not every step (attention masks out the older positions it still holds)."""
         if self.window is None or self.k is None:
             return
-        cap = max(2 * self.window, self.least)
+        cap = max(2 * self.window, self._least(self.k.device))
         if self.length > self.window and (self.length >= self.k.shape[0] or self.k.shape[0] > cap):
             keep = slice(self.length - self.window, self.length)
             for t in (self.k, self.v, self.pos):
@@ -114,7 +117,7 @@ class KVCache:
         """The most positions extend() allocates for a sequence that never holds more than `length`
         (<= max_len): it grows only when full, to at most twice what it holds, never past max_len, and
         starts at 16 or the first chunk. (For a CPU stage's admission by memory: on a GPU, where nothing is
-        admitted by it, decode keeps at least GRAPH_ROWS.)"""
+        admitted by it, a cache keeps at least GRAPH_ROWS.)"""
         return min(max_len, max(16, 2 * length))
 
 

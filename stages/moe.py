@@ -10,9 +10,8 @@ from typing import Callable
 import torch
 
 from kernels import blocks, ops
-from kernels import moe as expert_kernels
 from kernels.linear import linear
-from kernels.moe import CPU_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs, swiglu
+from kernels.moe import CPU_SLOT_PRODUCTS, GPU_DECODE_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs, swiglu
 from kernels.weights import BlockWeight, ConcatWeight
 
 
@@ -91,6 +90,7 @@ class MoE:
         p = f"blk.{layer}."
         self.spec = spec
         self.experts = spec.load_experts(w, layer) if remote_experts is None else partial(remote_experts, layer)
+        self.local = remote_experts is None     # all of the layer's experts here (LocalExperts)
         # One product gives the router logits and, with a shared expert, its gate and gate/up.
         inputs = [w.matrix(p + "ffn_gate_inp.weight")]
         self.router_bias = w(p + "ffn_gate_inp.bias") if spec.bias else None
@@ -109,8 +109,7 @@ class MoE:
         activation the library computes with this torch's bits (blocks.activation_exp), at widths that torch
         computes by its vector formula throughout (multiples of 32 values). None otherwise."""
         experts, shared, s = self.experts, self.shared_down, self.spec
-        if not (isinstance(experts, LocalExperts) and experts.experts is None and s.n_used <= CPU_SLOT_PRODUCTS
-                and blocks.library() is not None):
+        if not (self.local and s.n_used <= CPU_SLOT_PRODUCTS and blocks.library() is not None):
             return None
         gate_up, down, code = _cpu_blocks(experts.gate_up), experts.down, activation_code(s.activation)
         if (gate_up is None or not _cpu_block(down) or code is None or s.expert_ff % 32 or s.shared_ff % 32
@@ -128,8 +127,7 @@ class MoE:
     def host_free(self, n: int) -> bool:
         """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can
         hold): the experts in this process, few enough slots for slot products (kernels/moe.py)."""
-        return (isinstance(self.experts, LocalExperts) and self.experts.experts is None
-                and n * self.spec.n_used <= expert_kernels.GPU_DECODE_SLOT_PRODUCTS)
+        return self.local and n * self.spec.n_used <= GPU_DECODE_SLOT_PRODUCTS
 
     def __call__(self, x: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         """x: tokens [T, H]; decoding: a decode step's (one token per sequence)."""
@@ -143,6 +141,5 @@ class MoE:
             experts, shared = self.token_call
             return ops.moe_token(x, ids, weights, *experts, shared_gate_up, *shared, shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
-        local = isinstance(self.experts, LocalExperts)
-        return combine_slots(*(self.experts(x, ids, decoding) if local else self.experts(x, ids)), weights,
-                             shared_gate, shared)
+        slots = self.experts(x, ids, decoding) if self.local else self.experts(x, ids)
+        return combine_slots(*slots, weights, shared_gate, shared)

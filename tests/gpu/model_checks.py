@@ -34,8 +34,7 @@ PROMPTS = ["The quick brown fox", "def main():\n    return", "In the beginning t
            "Pipeline parallelism splits the layers of a model into stages, and each stage"]
 BATCH = 64
 # which operations take the Triton kernels on the GPU (kernels/gpu_ops.py); products always do
-VARIANTS = {"Triton for every op": {"delta_rule", "attention", "conv1d", "delta_step", "rms_norm", "rope", "routing"},
-            "torch for the small ops": {"delta_rule"}}
+VARIANTS = {"Triton for every op": gpu_ops.ALL_OPS, "torch for the small ops": {"delta_rule"}}
 
 
 def _generate(files, device: str, n_stages: int = 1, max_tokens: int = 32, prompts=PROMPTS, graphs: bool = True,
