@@ -84,18 +84,33 @@ class BlockWeight:
     dequantised weight values (the exact mode: many-row products dequantise tiles and multiply
     them in float32)."""
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool):
-        self.raw, self.type, self.k = raw, int(ggml_type), k
+    def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool, split: bool = False):
+        self.raw, self.type, self.k, self.split = raw, int(ggml_type), k, split
         self.quantize_activations = quantize_activations and self.type not in UNQUANTISED
+        # the type the kernels take for these bytes: a split weight's (kernels/triton/blocks.py, GPU only) differs
+        self.kernel_type = self.type
+        if split:
+            from .triton.blocks import SPLIT
+            self.kernel_type += SPLIT
 
     shape = property(lambda self: torch.Size((*self.raw.shape[:-1], self.k)))
     nbytes = property(lambda self: self.raw.nbytes)
 
     def __getitem__(self, index) -> "BlockWeight":
-        return BlockWeight(self.raw[index], self.type, self.k, self.quantize_activations)
+        return BlockWeight(self.raw[index], self.type, self.k, self.quantize_activations, self.split)
 
     def to(self, device) -> "BlockWeight":
-        return BlockWeight(self.raw.to(device), self.type, self.k, self.quantize_activations)
+        """On a GPU, Q8_0 and MXFP4 rows take the split layout, which the GPU kernels read faster."""
+        raw, split = self.raw, self.split
+        if split and torch.device(device).type != "cuda":
+            from .triton.blocks import join_blocks
+            raw, split = join_blocks(raw, self.type, self.k), False
+        raw = raw.to(device)
+        if raw.is_cuda and not split:
+            from .triton import blocks as gpu_blocks
+            if gpu_blocks.splits(self.type):
+                raw, split = gpu_blocks.split_blocks(raw, self.type, self.k), True
+        return BlockWeight(raw, self.type, self.k, self.quantize_activations, split)
 
     def dequantize(self) -> torch.Tensor:
         flat = self.raw.reshape(-1, self.raw.shape[-1])
@@ -105,9 +120,9 @@ class BlockWeight:
         return self._dequantize_rows(self.raw[ids])
 
     def _dequantize_rows(self, raw: torch.Tensor) -> torch.Tensor:
-        if raw.is_cuda:
+        if raw.is_cuda or self.split:         # split bytes: the Triton kernels only
             from .triton import blocks as gpu_blocks
-            return gpu_blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
+            return gpu_blocks.dequantize_rows(raw.contiguous(), self.kernel_type, self.k)
         if blocks.library() is None:      # no compiler: torch's bit-exact decoders
             from .dequant import dequantize
             return dequantize(raw.contiguous(), self.type)
@@ -122,20 +137,20 @@ class BlockWeight:
         return self._product(x, self.raw, groups, out, None if second is None else second.raw)
 
     def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.block_linear(x, self.raw, raw2, self.type, self.k, self.quantize_activations)
+        return ops.block_linear(x, self.raw, raw2, self.kernel_type, self.k, self.quantize_activations)
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
-        return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.type, self.k,
+        return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.kernel_type, self.k,
                                self.quantize_activations)
 
     def _product(self, x, raw, groups, out, raw2=None):
         """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call).
         raw2 (CPU, with the compiled library only): a second weight of this format, its rows after
         raw's in out's columns, multiplied in the same call (see ConcatWeight)."""
-        if raw.is_cuda:
+        if raw.is_cuda or self.split:
             from .triton import blocks as gpu_blocks
             return gpu_blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(),
-                                              raw if raw.dim() == 3 else raw[None], self.type, self.k,
+                                              raw if raw.dim() == 3 else raw[None], self.kernel_type, self.k,
                                               [g for g in groups if g[2] > g[1]], out)
         if blocks.library() is None:      # no compiler: dequantise one weight at a time
             for g, a, b in groups:
@@ -170,13 +185,14 @@ class BlockWeight:
         return 16 if self.type == MXFP4 else 8
 
     def same_format(self, other: "BlockWeight") -> bool:
-        return (self.type, self.k, self.quantize_activations) == (other.type, other.k, other.quantize_activations)
+        return ((self.type, self.k, self.quantize_activations, self.split)
+                == (other.type, other.k, other.quantize_activations, other.split))
 
     @staticmethod
     def cat(parts: list["BlockWeight"], dim: int, loading: "Loading | None" = None) -> "BlockWeight":
         first = parts[0]
         return BlockWeight(join_tensors([p.raw for p in parts], dim, loading), first.type, first.k,
-                           first.quantize_activations)
+                           first.quantize_activations, first.split)
 
 
 class ConcatWeight:

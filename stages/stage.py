@@ -174,7 +174,8 @@ class Stage:
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes())
             if not self.last:
                 return x
-            x = rms_norm(x[batch.logit_rows], self.norm, self.config.rms_eps)
+            rows = batch.logit_rows       # decode: every row, with no index to copy to a GPU (which waits for it)
+            x = rms_norm(x if rows == list(range(x.shape[0])) else x[rows], self.norm, self.config.rms_eps)
             logits = linear(x, self.head).float()
         if batch.sampling is None:
             return logits.cpu()

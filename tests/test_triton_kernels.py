@@ -34,6 +34,25 @@ def test_bad_inputs_get_one_line_errors(monkeypatch):
         launch.check_device(x)
 
 
+def test_a_split_weight_computes_as_the_files_bytes_and_moves_back_whole():
+    """kernels/weights.py's BlockWeight over split bytes (what `to("cuda")` makes of Q8_0 and MXFP4) gives the
+    Triton kernels' bits for the file's bytes, and `to("cpu")` gives the file's bytes back."""
+    import numpy as np
+
+    from kernels.weights import BlockWeight
+
+    rng = np.random.default_rng(0)
+    for t in (T.Q8_0, T.MXFP4):
+        raw = triton_cases.random_blocks(rng, t, 3 * 8, 64).reshape(3, 8, -1)
+        weight = BlockWeight(blocks.split_blocks(raw, t, 64), t, 64, False, split=True)
+        x = torch.randn(4, 64)
+        want = blocks.grouped_product(x, raw, t, 64, [(2, 0, 1), (0, 1, 4)], torch.empty(4, 8))
+        assert torch.equal(weight.grouped(x, [(2, 0, 1), (0, 1, 4)], torch.empty(4, 8)), want)
+        assert torch.equal(weight[1].rows(torch.tensor([5, 0])), blocks.dequantize_rows(raw[1], t, 64)[[5, 0]])
+        back = weight.to("cpu")
+        assert not back.split and torch.equal(back.raw, raw)
+
+
 @pytest.mark.parametrize("d", [16, 64])
 def test_decode_attention_past_the_cache_end_changes_no_bit(d):
     """A decode step replayed as a CUDA graph reads a KV cache's whole storage (stages/decode_graph.py): the

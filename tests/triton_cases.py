@@ -143,6 +143,40 @@ def check_slot_product(t: T, device: str) -> None:
         assert_within(out, want, (32 + k / 32 + 2) * U * mag, f"{t.name} slot product, {m} rows")
 
 
+def check_split(t: T, device: str) -> None:
+    """A split weight (blocks.SPLIT: Q8_0 and MXFP4 on a GPU) decodes to the file's bits (any finite
+    scales), and its few- and many-row groups and slot products (a row per slot, and sorted by expert) meet
+    check_grouped_product's bound, at K = 96 (rows of 102 and 51 bytes: the split rows end in padding). Not
+    bits against the file's layout: compiled, the tiles' layouts follow the loads' widths, and with them
+    the order of the final sums. join_blocks gives the file's bytes back."""
+    rng = np.random.default_rng(400 + int(t))
+    k, n, experts = 96, 24, 3
+    raw = random_blocks(rng, t, experts * n, k).reshape(experts, n, -1)
+    split = blocks.split_blocks(raw, t, k)
+    assert split.shape[-1] % 16 == 0 and torch.equal(blocks.join_blocks(split, t, k), raw), f"{t.name}: round trip"
+    st = blocks.SPLIT + t
+    wild = random_blocks(rng, t, 5, k, sane=False)
+    ids = torch.tensor([4, 0, 2])
+    got = blocks.dequantize_rows(blocks.split_blocks(wild, t, k).to(device), st, k, ids.to(device)).cpu()
+    assert torch.equal(got.view(torch.int32), dequantize(wild, t)[ids].view(torch.int32)), f"{t.name} split: rows"
+    w = dequantize(raw, t).double()
+    x = torch.from_numpy(rng.standard_normal((40, k), dtype=np.float32))
+    bound = (32 + k / 32 + 2) * U
+    groups = [(2, 0, 1), (0, 1, 3), (1, 4, 24)]                 # few-row groups and a many-row one
+    out = blocks.grouped_product(x[:24].to(device), split.to(device), st, k, groups, torch.zeros(24, n, device=device))
+    want, mag = torch.zeros(24, n, dtype=torch.float64), torch.zeros(24, n, dtype=torch.float64)
+    for g, a, b in groups:
+        want[a:b], mag[a:b] = x[a:b].double() @ w[g].T, x[a:b].double().abs() @ w[g].abs().T
+    assert_within(out, want, bound * mag, f"{t.name} split grouped product")
+    slots = torch.from_numpy(rng.permutation([0, 1, 2] * 13 + [1]))       # 40: sorted by expert
+    for m in (6, 40):
+        out = blocks.slot_product(x[:m].to(device), split.to(device), st, k, slots[:m].to(device),
+                                  torch.empty(m, n, device=device))
+        want = torch.einsum("mk,mnk->mn", x[:m].double(), w[slots[:m]])
+        mag = torch.einsum("mk,mnk->mn", x[:m].double().abs(), w[slots[:m]].abs())
+        assert_within(out, want, bound * mag, f"{t.name} split slot product, {m} rows")
+
+
 def check_linear(device: str) -> None:
     """One decode row and one prefill-sized batch through `linear` (a single group): Q4_K over 768 values
     (two steps of the one-row kernel, the second partial), and F16 rows of 40 values (not whole 16-value
@@ -318,6 +352,7 @@ BLOCK_TYPES = list(blocks.TYPES)
 CASES = ([(f"dequantize {t.name}", lambda device, t=t: check_dequantize(t, device)) for t in BLOCK_TYPES]
          + [(f"grouped product {t.name}", lambda device, t=t: check_grouped_product(t, device)) for t in BLOCK_TYPES]
          + [(f"slot product {t.name}", lambda device, t=t: check_slot_product(t, device)) for t in (T.Q4_K, T.MXFP4)]
+         + [(f"split {t.name}", lambda device, t=t: check_split(t, device)) for t in blocks.SPLIT_QUANT_BYTES]
          + [("linear", check_linear), ("rms_norm", check_rms_norm), ("rope", check_rope),
             ("routing", check_routing), ("attention", check_attention), ("delta rule", check_delta_rule),
             ("causal conv1d", check_causal_conv1d)])

@@ -22,26 +22,36 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.blocks import _check_raw
+from kernels.blocks import row_bytes as file_row_bytes
 
 from .launch import check_device
 
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
          T.MXFP4)
 FEW_ROWS = 16          # groups up to this many rows multiply-and-sum; longer ones use tl.dot tiles
-# slot products of more rows than this sort them by expert on the device (slot_product); not yet timed on a
-# GPU against one launch with a row per slot, which reads an expert once for each row that chose it (and
-# needs no sort: few rows)
+# slot products of more rows than this sort them by expert on the device (slot_product) rather than read
+# an expert once for each row that chose it: gpt-oss-20b at 64 sequences on an H200, 419.5 against 274.2
+# tok/s (2026-12-04)
 SORTED_SLOTS = 16
 # few-row tiles by the group's rows rounded up to a power of two: (weight rows a program, 16-value
 # half-pieces a step, warps, steps unrolled). Rows x weight rows x step = 2048 float32 accumulators. At one
 # row: 4 weight rows a program (a 4096-row weight makes 1024 programs, several per SM), 512 values of each
-# a step (two K-quant super-blocks, sixteen legacy blocks), two steps' weight bytes in flight at once, and
-# 8 warps, so 8 values a thread: for every format the per-half-piece scales then share the values' layout
-# (compiled for sm_90: no shared-memory shuffle in the loop, 40-78 registers, no spills). Not yet tuned on
-# a GPU: tests/gpu/run.py times alternatives. tests/triton_cases.py's error bound holds for any K while
-# half-pieces <= 32.
-FEW_TILES = {1: (4, 32, 8, 2), 2: (4, 16, 8, 2), 4: (4, 8, 4, 1), 8: (4, 4, 4, 1), 16: (4, 2, 4, 1)}
+# a step (two K-quant super-blocks, sixteen legacy blocks), four steps' weight bytes in flight at once, and
+# 4 warps, so 16 values a thread: for every format the per-half-piece scales then share the values' layout
+# (compiled for sm_90: no shared-memory shuffle in the loop, no spills). Chosen on an H200 (tests/gpu/run.py,
+# 2026-12-04, 4096 x 4096 weights) from 8 tiles: the fastest or within 12% of it for every format timed, and
+# against the earlier (4, 32, 8, 2) 1.04-1.30x (Q4_K 553 -> 717 GB/s, Q3_K 260 -> 305, split MXFP4 503 -> 540,
+# split Q8_0 1397 -> 1488). A product is bound by the bytes in flight: wide formats read more a value, so
+# BF16 reaches 2.4 TB/s and Q3_K 0.3. tests/triton_cases.py's error bound holds for any K while half-pieces
+# <= 32.
+FEW_TILES = {1: (4, 32, 4, 4), 2: (4, 16, 8, 2), 4: (4, 8, 4, 1), 8: (4, 4, 4, 1), 16: (4, 2, 4, 1)}
+# Q8_0 and MXFP4 on a GPU, "split": each row holds its blocks' quant bytes (all blocks, in order), then their
+# scales, then zeros up to a multiple of 16 bytes (split_blocks; 0.4% more at gpt-oss-20b's rows). The file's
+# 34- and 17-byte blocks leave a block's quants 2- and 1-byte aligned, so the kernels read them 2 bytes or 1
+# byte at a time; split, a thread reads its 8 quant bytes in one load. The kernels take a split weight's type
+# as SPLIT + its ggml type, and decode its values with the same operations, to the same bits.
+SPLIT = 1000
+SPLIT_QUANT_BYTES = {T.Q8_0: 32, T.MXFP4: 16}       # a block's quant bytes; its scale (2 and 1 bytes) comes first
 
 
 @triton.jit
@@ -98,8 +108,7 @@ def _decode(blk, sub, h, i, mask, TYPE: tl.constexpr):
         bits = tl.load(blk.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0).to(tl.int32) << 16
         x = bits.to(tl.float32, bitcast=True)
     elif TYPE == 8:    # Q8_0: d | qs[32] int8
-        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int32) ^ 0x80      # int8 + 128
-        x = _small(q, 128) * _f16(blk, mask)
+        x = _q8_0(blk + 2 + j, blk, mask)
     elif TYPE == 2:    # Q4_0: d | qs[16] nibbles (low: values 0..15)
         q = (_byte(blk + 2 + i, mask) >> (4 * h)) & 15
         x = _small(q, 8) * _f16(blk, mask)
@@ -143,32 +152,59 @@ def _decode(blk, sub, h, i, mask, TYPE: tl.constexpr):
         hi = (_byte(blk + 128 + 32 * (sub // 4) + j, mask) >> (2 * (sub % 4))) & 3
         sc = _byte(blk + 192 + 2 * sub + h, mask).to(tl.int8).to(tl.float32)
         x = _small(lo | (hi << 4), 32) * (_f16(blk + 208, mask) * sc)
-    else:              # MXFP4 (39): e8m0 | qs[16] e2m1 nibbles; values doubled, scale halved
-        nib = (_byte(blk + 1 + i, mask) >> (4 * h)) & 15
-        # the doubled value's float32 bits: 0 and 1 for magnitudes 0, 1; from 2 on, exponent and mantissa
-        # bit follow the e2m1 bits (2 -> 2.0 = 256 << 22, 3 -> 3.0, 4 -> 4.0, ... 7 -> 12.0)
-        mag = nib & 7
-        bits = tl.where(mag < 2, mag * 0x3F800000, (mag + 254) << 22)
-        value = tl.where(nib > 8, bits | -0x80000000, bits).to(tl.float32, bitcast=True)   # 8: +0
-        e8 = _byte(blk, mask)
-        d = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
-        x = value * d
+    else:              # MXFP4 (39): e8m0 | qs[16] e2m1 nibbles
+        x = _mxfp4(blk + 1 + i, h, blk, mask)
     return x
 
 
 @triton.jit
+def _q8_0(q, d, mask):
+    """Q8_0 values: the int8 quants at q times the float16 scale at d."""
+    return _small(tl.load(q, mask=mask, other=0).to(tl.int32) ^ 0x80, 128) * _f16(d, mask)    # int8 + 128
+
+
+@triton.jit
+def _mxfp4(q, h, e, mask):
+    """MXFP4 values: nibble h of the bytes at q (e2m1) times the e8m0 scale at e; values doubled, scale
+    halved."""
+    nib = (_byte(q, mask) >> (4 * h)) & 15
+    # the doubled value's float32 bits: 0 and 1 for magnitudes 0, 1; from 2 on, exponent and mantissa
+    # bit follow the e2m1 bits (2 -> 2.0 = 256 << 22, 3 -> 3.0, 4 -> 4.0, ... 7 -> 12.0)
+    mag = nib & 7
+    bits = tl.where(mag < 2, mag * 0x3F800000, (mag + 254) << 22)
+    value = tl.where(nib > 8, bits | -0x80000000, bits).to(tl.float32, bitcast=True)   # 8: +0
+    e8 = _byte(e, mask)
+    d = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+    return value * d
+
+
+@triton.jit
+def _decode_split(q, s, h, i, mask, TYPE: tl.constexpr):
+    """_decode's half-pieces of a split block (Q8_0 or MXFP4): q points at the block's quant bytes, s at
+    its scale."""
+    if TYPE == 8:
+        return _q8_0(q + 16 * h + i, s, mask)
+    return _mxfp4(q + i, h, s, mask)
+
+
+@triton.jit
 def _half_pieces(row_ptrs, k0, starts, i, K, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, TYPE: tl.constexpr,
-                 STEP: tl.constexpr, VALUE_MASK: tl.constexpr):
+                 STEP: tl.constexpr, VALUE_MASK: tl.constexpr, QUANT_BYTES: tl.constexpr):
     """Weight values k0+starts+i (starts: multiples of 16 below STEP; i: arange(16) on the last axis) of
     each row -> float32, zero past K. k0 is a multiple of STEP; when the step spans whole blocks every
     index below but k0 // QK is the same at every step (computed once, outside the loop). The mask is per
     half-piece unless rows end inside one (VALUE_MASK: float rows only), so that it never splits a wide
-    load."""
+    load. QUANT_BYTES: a split weight's (see SPLIT), 0 for the file's blocks."""
     on = (k0 + starts + i < K) if VALUE_MASK else (k0 + starts < K)
     if STEP < QK:
         offset = k0 % QK + starts          # the step is part of one block
     else:
         offset = starts                    # the step is whole blocks: k0 is a block's first value
+    if QUANT_BYTES:                        # split rows (Q8_0, MXFP4: QK is 32, K a multiple of it)
+        q = row_ptrs + (k0 // QK) * QUANT_BYTES + (offset // QK) * QUANT_BYTES
+        scale_bytes: tl.constexpr = TYPE_SIZE - QUANT_BYTES
+        s = row_ptrs + (K // QK) * QUANT_BYTES + (k0 // QK) * scale_bytes + (offset // QK) * scale_bytes
+        return _decode_split(q, s, (starts // 16) % 2, i, on, TYPE)
     blk = row_ptrs + (k0 // QK) * TYPE_SIZE + (offset // QK) * TYPE_SIZE
     return _decode(blk, (offset % QK) // 32, (starts // 16) % 2, i, on, TYPE)
 
@@ -176,34 +212,36 @@ def _half_pieces(row_ptrs, k0, starts, i, K, QK: tl.constexpr, TYPE_SIZE: tl.con
 @triton.jit
 def _few_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                      TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
+                     BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr,
+                     QUANT_BYTES: tl.constexpr):
     """Program (n tile, group): all rows of a group of at most BLOCK_M times BLOCK_N weight rows
     (_few_rows_tile)."""
     g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
     a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
     b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
     _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out_ptr, out_stride, N, K,
-                   TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
+                   TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK, QUANT_BYTES)
 
 
 @triton.jit
 def _expert_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                         TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr,
-                        VALUE_MASK: tl.constexpr):
+                        VALUE_MASK: tl.constexpr, QUANT_BYTES: tl.constexpr):
     """Program (n tile, group): a group of any number of rows (empty: nothing to do), BLOCK_M at a time."""
     g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
     a = tl.load(table_ptr + 3 * tl.program_id(1) + 1)
     b = tl.load(table_ptr + 3 * tl.program_id(1) + 2)
     for r0 in range(a, b, BLOCK_M):
         _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, r0, b, out_ptr, out_stride, N, K,
-                       TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK)
+                       TYPE, QK, TYPE_SIZE, BLOCK_M, BLOCK_N, HALVES, UNROLL, VALUE_MASK, QUANT_BYTES)
 
 
 @triton.jit
 def _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out_ptr, out_stride, N, K,
                    TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, VALUE_MASK: tl.constexpr,
+                   QUANT_BYTES: tl.constexpr):
     """Rows a..min(b, a + BLOCK_M) of x times BLOCK_N rows of weight g (the program's n tile).
 
     Memory-bound at one row: the program walks the rows HALVES*16 values at a time (several blocks'
@@ -227,7 +265,7 @@ def _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out
     # unrolled, the next step's weight loads are issued before this step's arithmetic: twice the bytes in
     # flight for a few more registers
     for k0 in tl.range(0, K, 16 * HALVES, loop_unroll_factor=UNROLL):
-        w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 16 * HALVES, VALUE_MASK)
+        w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 16 * HALVES, VALUE_MASK, QUANT_BYTES)
         on = (k0 + starts + i < K) if VALUE_MASK else (k0 + starts < K)
         xs = tl.load(x_ptrs + k0, mask=row_on & on, other=0.0)
         acc = tl.fma(xs, w, acc)
@@ -239,7 +277,7 @@ def _few_rows_tile(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, g, a, b, out
 @triton.jit
 def _many_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr, out_ptr, out_stride, N, K,
                       TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, VALUE_MASK: tl.constexpr):
+                      BLOCK_N: tl.constexpr, VALUE_MASK: tl.constexpr, QUANT_BYTES: tl.constexpr):
     """Program (n tile, group, m tile): BLOCK_M rows of the group times BLOCK_N weight rows, 32 values at
     a time through tl.dot tiles in IEEE float32."""
     g = tl.load(table_ptr + 3 * tl.program_id(1)).to(tl.int64)
@@ -255,7 +293,7 @@ def _many_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr
         j = tl.arange(0, 32)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, 32):
-            w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 32, VALUE_MASK)
+            w = _half_pieces(weight_rows, k0, starts, i, K, QK, TYPE_SIZE, TYPE, 32, VALUE_MASK, QUANT_BYTES)
             xs = tl.load(x_rows + k0 + j, mask=(rows < b)[:, None] & (k0 + j < K), other=0.0)
             acc += tl.dot(xs, tl.trans(tl.reshape(w, (BLOCK_N, 32))), input_precision="ieee")
         out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
@@ -264,7 +302,8 @@ def _many_rows_kernel(x_ptr, x_stride, raw_ptr, raw_stride, row_bytes, table_ptr
 
 @triton.jit
 def _dequantize_kernel(raw_ptr, row_bytes, ids_ptr, out_ptr, n, K,
-                       TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr):
+                       TYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+                       QUANT_BYTES: tl.constexpr):
     """Program (row tile, piece): 32 values of BLOCK_R rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = r < n
@@ -272,9 +311,51 @@ def _dequantize_kernel(raw_ptr, row_bytes, ids_ptr, out_ptr, n, K,
     k = tl.program_id(1) * 32 + 16 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 16)[None, None, :]
     mask = row_mask[:, None, None] & (k < K)
     start = tl.program_id(1) * 32 + 16 * tl.arange(0, 2)[None, :, None]
-    blk = raw_ptr + ids[:, None, None] * row_bytes + (start // QK) * TYPE_SIZE
-    x = _decode(blk, (start % QK) // 32, (start // 16) % 2, tl.arange(0, 16)[None, None, :], mask, TYPE)
+    row = raw_ptr + ids[:, None, None] * row_bytes
+    x = _half_pieces(row, 0, start, tl.arange(0, 16)[None, None, :], K, QK, TYPE_SIZE, TYPE, 32, True, QUANT_BYTES)
     tl.store(out_ptr + r.to(tl.int64)[:, None, None] * K + k, x, mask=mask)
+
+
+def splits(ggml_type: int) -> bool:
+    """Whether weights of this ggml type take the split layout on a GPU."""
+    return ggml_type in SPLIT_QUANT_BYTES
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes a row of k values takes: the file's, or a split row's (ggml_type SPLIT + t)."""
+    if ggml_type >= SPLIT:
+        return -(-file_row_bytes(ggml_type - SPLIT, k) // 16) * 16
+    return file_row_bytes(ggml_type, k)
+
+
+def split_blocks(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """A file's rows [..., N, bytes] of Q8_0 or MXFP4 -> the split layout (see SPLIT), on raw's device."""
+    lead, quant, (qk, size) = raw.shape[:-1], SPLIT_QUANT_BYTES[ggml_type], GGML_QUANT_SIZES[T(ggml_type)]
+    count = k // qk
+    pieces = raw.reshape(*lead, count, size)
+    out = raw.new_zeros(*lead, row_bytes(SPLIT + ggml_type, k))
+    out[..., :count * quant] = pieces[..., size - quant:].reshape(*lead, count * quant)
+    out[..., count * quant:count * size] = pieces[..., :size - quant].reshape(*lead, count * (size - quant))
+    return out
+
+
+def join_blocks(split: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """split_blocks undone: the file's rows again."""
+    lead, quant, (qk, size) = split.shape[:-1], SPLIT_QUANT_BYTES[ggml_type], GGML_QUANT_SIZES[T(ggml_type)]
+    count = k // qk
+    pieces = split.new_empty(*lead, count, size)
+    pieces[..., size - quant:] = split[..., :count * quant].reshape(*lead, count, quant)
+    pieces[..., :size - quant] = split[..., count * quant:count * size].reshape(*lead, count, size - quant)
+    return pieces.reshape(*lead, count * size)
+
+
+def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
+    if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
+        raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+    if raw.shape[-1] != row_bytes(ggml_type, k):
+        name = T(ggml_type % SPLIT).name + (" (split)" if ggml_type >= SPLIT else "")
+        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {row_bytes(ggml_type, k)} for {name} "
+                         f"with k={k}")
 
 
 def _check_matrix(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
@@ -331,8 +412,10 @@ def prepare_grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, 
 
 
 def _options(ggml_type: int, k: int) -> dict:
-    qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
-    return {"TYPE": int(ggml_type), "QK": qk, "TYPE_SIZE": type_size, "VALUE_MASK": k % 16 != 0,
+    file_type = T(ggml_type % SPLIT)
+    qk, type_size = GGML_QUANT_SIZES[file_type]
+    return {"TYPE": int(file_type), "QK": qk, "TYPE_SIZE": type_size, "VALUE_MASK": k % 16 != 0,
+            "QUANT_BYTES": SPLIT_QUANT_BYTES[file_type] if ggml_type >= SPLIT else 0,
             "enable_fp_fusion": False}        # decode as dequantize_rows does; the products use tl.fma
 
 
@@ -406,18 +489,19 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor
     """raw uint8 [N, row_bytes] -> float32 [len(ids) or N, k], bit-exact against gguf.quants.dequantize
     (the GPU build turns off fused multiply-adds for this)."""
     _check_raw(raw, ggml_type, k, 2)
-    if ids is None:
+    if ids is None:         # every row: nothing to check (reading ids back would wait for the GPU)
         ids = torch.arange(raw.shape[0], device=raw.device)
-    if ids.dim() != 1:
-        raise ValueError(f"row ids must be 1-d, got shape {tuple(ids.shape)}")
-    ids = ids.to(torch.int64).contiguous()
+    else:
+        if ids.dim() != 1:
+            raise ValueError(f"row ids must be 1-d, got shape {tuple(ids.shape)}")
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= raw.shape[0]):
+            raise ValueError(f"row ids out of range for {raw.shape[0]} rows")
     check_device(raw, ids)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= raw.shape[0]):
-        raise ValueError(f"row ids out of range for {raw.shape[0]} rows")
     out = torch.empty(ids.numel(), k, dtype=torch.float32, device=raw.device)
     if ids.numel():
-        qk, type_size = GGML_QUANT_SIZES[T(ggml_type)]
         grid = (triton.cdiv(ids.numel(), 16), triton.cdiv(k, 32))
-        _dequantize_kernel[grid](raw, raw.shape[1], ids, out, ids.numel(), k, TYPE=int(ggml_type), QK=qk,
-                                 TYPE_SIZE=type_size, BLOCK_R=16, enable_fp_fusion=False)
+        options = _options(ggml_type, k)
+        del options["VALUE_MASK"]
+        _dequantize_kernel[grid](raw, raw.shape[1], ids, out, ids.numel(), k, BLOCK_R=16, **options)
     return out

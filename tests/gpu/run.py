@@ -15,7 +15,8 @@
    (tools.make_synthetic, written to --folder): load time, batch-1 decode tok/s eager and with CUDA graphs
    against the HBM roofline, where a step's time goes, and the aggregate tok/s of 64 sequences.
 
-    --sections kernels,bandwidth,outputs,graphs,ipc,decode   (default: all; decode:MODEL for one model)
+    --sections kernels,bandwidth,outputs,graphs,ipc,decode   (default: all; decode:MODEL for one model,
+                                                             kernels:TEXT for the cases named with TEXT)
     --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
 Without CUDA it says so and exits 0. Exit status 1 when a case fails.
@@ -50,11 +51,13 @@ import torch  # noqa: E402
 PEAK_GB_S = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0}
 
 
-def check_kernels() -> int:
+def check_kernels(only: str = "") -> int:
     import triton_cases
 
     failures = 0
     for name, check in triton_cases.CASES + triton_cases.MODEL_SIZE_CASES:
+        if only not in name:
+            continue
         start = time.perf_counter()
         try:
             check("cuda")
@@ -131,39 +134,44 @@ def bandwidth() -> None:
     out = torch.empty(1, n, device="cuda")
     weights = {}
     for t in (T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K, T.Q3_K, T.Q2_K, T.MXFP4):
-        weights[t] = raw = _distinct_copies(random_blocks(rng, t, n, k), 512 << 20)
-        calls = [blocks.prepare_grouped_product(x, raw[c][None], t, k, [(0, 0, 1)], out) for c in range(len(raw))]
-        _report(t.name, _seconds_per_call(calls), raw[0].numel(), peak)
+        weights[t] = _distinct_copies(random_blocks(rng, t, n, k), 512 << 20)
+    for t in blocks.SPLIT_QUANT_BYTES:          # Q8_0 and MXFP4 as the GPU keeps them
+        weights[blocks.SPLIT + t] = blocks.split_blocks(weights[t], t, k)
 
-    print("MoE decode: one launch over the chosen experts' weights, one row each")
+    def name(t: int) -> str:
+        return T(t % blocks.SPLIT).name + (" split" if t >= blocks.SPLIT else "")
+
+    print("one-row tiles (weight rows a program, 16-value half-pieces a step, warps, unrolled), 4096 x 4096; "
+          f"the first is the default, {blocks.FEW_TILES[1]}:")
+    default = blocks.FEW_TILES[1]
+    try:
+        for tile in (default, (4, 32, 4, 4), (2, 32, 4, 2), (2, 32, 4, 4), (8, 16, 4, 2), (4, 32, 8, 4),
+                     (4, 16, 4, 4)):
+            blocks.FEW_TILES[1] = tile
+            for t in weights if tile == default else (T.Q6_K, T.Q4_K, T.Q3_K, 1008, 1039):
+                raw = weights[t]
+                calls = [blocks.prepare_grouped_product(x, raw[c][None], t, k, [(0, 0, 1)], out)
+                         for c in range(len(raw))]
+                _report(f"{name(t)} {tile}", _seconds_per_call(calls), raw[0].numel(), peak)
+    finally:
+        blocks.FEW_TILES[1] = default
+
+    print("MoE decode: slot products over the chosen experts' weights, one row each")
     moe_cases = [("gpt-oss-20b gate_up 32 x [5760, 2880]", T.MXFP4, 32, 5760, 2880, 4),
                  ("gpt-oss-20b down 32 x [2880, 2880]", T.MXFP4, 32, 2880, 2880, 4),
-                 ("Qwen3.5-35B-A3B gate_up 256 x [1024, 2048]", T.Q4_K, 256, 1024, 2048, 8),
-                 ("Qwen3.5-35B-A3B down 256 x [2048, 512]", T.Q4_K, 256, 2048, 512, 8)]
+                 ("Qwen3.5-35B-A3B gate_up 256 x [1024, 2048]", T.Q3_K, 256, 1024, 2048, 8),
+                 ("Qwen3.5-35B-A3B down 256 x [2048, 512]", T.Q3_K, 256, 2048, 512, 8)]
     for label, t, experts, n, k, chosen in moe_cases:
         # 4 distinct experts' bytes, repeated at their own addresses up to every expert
         few = random_blocks(rng, t, 4 * n, k).reshape(4, n, -1).cuda()
-        raw = few.repeat(experts // 4, 1, 1)
         x = torch.randn(chosen, k, device="cuda")
         out = torch.empty(chosen, n, device="cuda")
-        draws = [rng.choice(experts, chosen, replace=False) for _ in range(16)]
-        calls = [blocks.prepare_grouped_product(x, raw, t, k, [(int(e), r, r + 1) for r, e in enumerate(d)], out)
-                 for d in draws]
-        _report(f"{label}, {chosen} of them", _seconds_per_call(calls), chosen * raw[0].numel(), peak)
-
-    print("one-row tiles (weight rows a program, 16-value half-pieces a step, warps, unrolled), 4096 x 4096:")
-    default = blocks.FEW_TILES[1]
-    x, out = torch.randn(1, 4096, device="cuda"), torch.empty(1, 4096, device="cuda")
-    try:
-        for tile in ((4, 32, 8, 2), (4, 32, 8, 1), (4, 32, 4, 2), (4, 32, 4, 1), (2, 32, 4, 2), (8, 32, 8, 2)):
-            blocks.FEW_TILES[1] = tile
-            for t in (T.BF16, T.Q4_K, T.Q6_K, T.MXFP4):
-                raw = weights[t]
-                calls = [blocks.prepare_grouped_product(x, raw[c][None], t, 4096, [(0, 0, 1)], out)
-                         for c in range(len(raw))]
-                _report(f"{t.name} {tile}", _seconds_per_call(calls), raw[0].numel(), peak)
-    finally:
-        blocks.FEW_TILES[1] = default
+        draws = [torch.from_numpy(rng.choice(experts, chosen, replace=False)).cuda() for _ in range(16)]
+        for layout in (t, blocks.SPLIT + t) if blocks.splits(t) else (t,):
+            raw = (few if layout == t else blocks.split_blocks(few, t, k)).repeat(experts // 4, 1, 1)
+            calls = [lambda d=d, raw=raw, layout=layout: blocks.slot_product(x, raw, layout, k, d, out) for d in draws]
+            _report(f"{label}, {chosen} of them{' (split)' if layout != t else ''}", _seconds_per_call(calls),
+                    chosen * raw[0].numel(), peak)
 
 
 def record_launches(path: str) -> None:
@@ -311,7 +319,10 @@ def main() -> int:
     }
     failures = 0
     for key in args.sections.split(","):
-        if key.startswith("decode:"):       # one model's decode, e.g. decode:gpt-oss-20b
+        if key.startswith("kernels:"):     # the kernel cases whose names contain a string, e.g. kernels:slot
+            title, run = f"Triton kernels against the CPU kernels, cases with {key[8:]!r}", \
+                lambda only=key[8:]: check_kernels(only)
+        elif key.startswith("decode:"):       # one model's decode, e.g. decode:gpt-oss-20b
             title, run = f"full-size synthetic {key[7:]}", lambda m=key[7:]: models.decode(m, peak, args.folder)
         else:
             title, run = sections[key]
