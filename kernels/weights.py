@@ -15,7 +15,8 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
   kernels of kernels/triton (float32 activations: the exact mode; there is no 8-bit-activation path).
 
 The kinds: `DenseWeight` (float32), `BlockWeight` (GGML blocks exactly as the file stores them:
-F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4), `Int8Weight` (int8 rows, kernels/int8.py),
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4; on a GPU, Q8_0 and MXFP4 rows are split into
+quants and scales for aligned reads, kernels/triton/blocks.py), `Int8Weight` (int8 rows, kernels/int8.py),
 and `ConcatWeight` (weights side by side, one product each into column slices of one output; two block
 weights of one format, one product for both on the CPU). `cat_weights` fuses weights into one product when their
 kinds and formats match.
