@@ -167,7 +167,7 @@ def _host_breakdown(engine, steps: int = 32) -> str:
 
 
 def _host_profile(engine, steps: int = 16, top: int = 15) -> str:
-    """The host's functions that take most of a decode step (cProfile, cumulative time, per step)."""
+    """The host's functions that take most of `steps` decode steps, by their own time (cProfile)."""
     import cProfile
     import io
     import pstats
@@ -284,19 +284,22 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     from kernels.triton import blocks
 
     default_sorted = blocks.SORTED_SLOTS
-    for batch in (4, BATCH):
-        for sorted_slots, how in ((default_sorted, "experts' rows sorted on the device"), (1 << 30, "a row per slot")):
-            blocks.SORTED_SLOTS = sorted_slots
-            _use_graphs(engine, True)
-            _clear(engine)
-            for i in range(batch):
-                engine.add_request(f"b{i}", prompt, params)
-            seconds, tokens = _decode_rate(engine, 16)
-            rate = tokens / seconds
-            print(f"  batch {batch} (CUDA graphs, {engine.stages[0].graphs.replayed} steps replayed; slot products: "
-                  f"{how}): {rate:.1f} tok/s aggregate = {rate / single:.1f}x batch 1 (max memory allocated "
-                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
-    blocks.SORTED_SLOTS = default_sorted
+    try:
+        for batch in (4, BATCH):
+            for sorted_slots, how in ((default_sorted, "experts' rows sorted on the device"),
+                                      (1 << 30, "a row per slot")):
+                blocks.SORTED_SLOTS = sorted_slots
+                _use_graphs(engine, True)
+                _clear(engine)
+                for i in range(batch):
+                    engine.add_request(f"b{i}", prompt, params)
+                seconds, tokens = _decode_rate(engine, 16)
+                rate = tokens / seconds
+                print(f"  batch {batch} (CUDA graphs, {engine.stages[0].graphs.replayed} steps replayed; slot "
+                      f"products: {how}): {rate:.1f} tok/s aggregate = {rate / single:.1f}x batch 1 (max memory "
+                      f"allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)", flush=True)
+    finally:        # the sections after this one run with the default
+        blocks.SORTED_SLOTS = default_sorted
     print(f"  {_churn(engine, prompt)}", flush=True)
     gpu_ops.TRITON_OPS = default_ops
     del engine

@@ -148,7 +148,8 @@ def bandwidth() -> None:
         for tile in (default, (4, 32, 4, 4), (2, 32, 4, 2), (2, 32, 4, 4), (8, 16, 4, 2), (4, 32, 8, 4),
                      (4, 16, 4, 4)):
             blocks.FEW_TILES[1] = tile
-            for t in weights if tile == default else (T.Q6_K, T.Q4_K, T.Q3_K, 1008, 1039):
+            for t in weights if tile == default else (T.Q6_K, T.Q4_K, T.Q3_K,
+                                                      *(blocks.SPLIT + q for q in blocks.SPLIT_QUANT_BYTES)):
                 raw = weights[t]
                 calls = [blocks.prepare_grouped_product(x, raw[c][None], t, k, [(0, 0, 1)], out)
                          for c in range(len(raw))]
