@@ -73,6 +73,7 @@ def parse_args(argv=None):
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+INTERRUPTED_SHUTDOWN_S = 3   # how long an interrupted job waits for the coordinator to stop the pipeline
 
 
 class Interrupted(BaseException):
@@ -107,7 +108,13 @@ def main(argv=None) -> int:
     _Signals.received, _Signals.deferred = None, False
     _handle_signals()
     try:
-        return run(args)
+        try:
+            return run(args)
+        except SystemError:
+            # Interrupted raised inside a call into Ray's compiled code (waiting for the model to load) comes out so
+            if _Signals.received is None:
+                raise
+            raise Interrupted(_Signals.received) from None
     except RaymoeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -145,13 +152,15 @@ def run(args) -> int:
 def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     from tqdm import tqdm
 
-    from cluster.engine import ClusterEngine
+    from cluster.engine import ClusterEngine, connect_ray
 
     lines = read_lines(args.input)
     writer = ResultWriter(args.output, args.resume)
     try:
+        connect_ray(args.pp * (1 + args.ep))
+        _handle_signals()       # ray.init replaced the SIGTERM handler; a signal while the model loads is ours too
         engine = ClusterEngine(engine_args)
-        _handle_signals()       # ray.init replaced the SIGTERM handler
+        interrupted = False
         try:
             try:
                 SamplingParams.from_dict(defaults, context_length=engine.config.context_length)
@@ -167,8 +176,13 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
             finally:
                 reader.close()
             stats = engine.stats()
+        except Interrupted:
+            interrupted = True
+            raise
         finally:
-            engine.shutdown()
+            # interrupted, don't wait out a coordinator that is busy (reloading a dead stage's model takes
+            # minutes at full size): killing it ends the pipeline's actors with it
+            engine.shutdown(timeout=INTERRUPTED_SHUTDOWN_S if interrupted else 60)
     finally:
         writer.close()
     ttft = sorted(stats["first_token_s"])

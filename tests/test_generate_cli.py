@@ -169,11 +169,12 @@ def test_a_tiny_temperature_is_greedy_and_stalls_nothing(tmp_path):
     assert out[1]["token_ids"] == out[0]["token_ids"]
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig):
-    """A driver stopped mid-job by SIGTERM stops the local Ray cluster it started, and every worker with it;
-    one killed by SIGKILL cannot, and its watchdog (cluster/watchdog.py) stops what Ray's own fate sharing
-    leaves (the raylet's agents) within seconds."""
+@pytest.mark.parametrize("sig, delay", [("SIGTERM", 0), ("SIGTERM", 3), ("SIGKILL", 1)])
+def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig, delay):
+    """A driver stopped by SIGTERM while its model loads (delay 0 after the stage actor appears) or mid-job
+    stops the local Ray cluster it started, and every worker with it, and says so in one line; one killed by
+    SIGKILL cannot, and its watchdog (cluster/watchdog.py) stops what Ray's own fate sharing leaves (the
+    raylet's agents) within seconds."""
     import signal
     import subprocess
     import sys
@@ -182,7 +183,8 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig):
     from serve_util import ROOT, descendants, still_running
 
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}) + "\n")
+    src.write_text("".join(json.dumps({"id": i, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}) + "\n"
+                           for i in range(4)))      # tens of seconds of work
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--input", str(src),
@@ -196,13 +198,14 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig):
                 break
             assert proc.poll() is None and time.time() < deadline, "the job did not start generating"
             time.sleep(0.5)
-        time.sleep(1)
+        time.sleep(delay)
         children = descendants(proc.pid)
         assert any(b"cluster.watchdog" in _cmdline(pid) for pid in children) and len(children) >= 5
         proc.send_signal(getattr(signal, sig))
         status, err = proc.wait(timeout=60), proc.stderr.read()
         if sig == "SIGTERM":
             assert status == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+            assert "Traceback" not in err, err
         else:
             assert status == -signal.SIGKILL
         deadline = time.time() + 15
