@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 import uuid
 from collections import deque
@@ -37,11 +39,14 @@ def connect_ray(slots_needed: int):
     Ray enables token authentication for a new local cluster unless RAY_AUTH_MODE says otherwise
     (the token: ~/.ray/auth_token, generated when missing); its servers listen on every interface,
     guarded by that token (ray.init turns a loopback node address into the machine's). A local cluster
-    gets a watchdog (cluster/watchdog.py) that stops its processes if this driver is killed."""
+    gets a watchdog (cluster/watchdog.py) that stops its processes if this driver is killed. SIGTERM and
+    SIGINT handlers the caller installed stay (ray.init would replace SIGTERM's with its own)."""
     global _connected_here, _watchdog
     if ray.is_initialized():
         return
     _connected_here = True
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if on_main_thread else {}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
@@ -49,6 +54,9 @@ def connect_ray(slots_needed: int):
                  object_store_memory=OBJECT_STORE_BYTES,
                  log_to_driver=False, logging_level="ERROR")
         _watchdog = watchdog.start()     # stops the cluster's processes should this driver be killed
+    for s, handler in handlers.items():
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(s, handler)
 
 
 def disconnect_ray():

@@ -9,8 +9,8 @@ answer alone), split as the server splits chat answers (docs/chat.md), and `tool
 offers `tools`; --chat-template and
 --chat-template-kwargs steer the chat template, a line's `chat_template_kwargs` override the latter.
 --resume keeps an earlier run's output and generates only the ids it lacks. SIGTERM or SIGINT ends the
-job, keeping the lines written so far, and stops the local Ray cluster it started (exit status 128 + the
-signal number). Parquet, folders, URIs and --replicas go
+job, while the model loads too, keeping the lines written so far, and stops the local Ray cluster it started
+(exit status 128 + the signal number). Parquet, folders, URIs and --replicas go
 through Ray Data (deploy/generate_data.py).
 """
 from __future__ import annotations
@@ -145,21 +145,18 @@ def run(args) -> int:
         return run_local(args, engine_args, defaults)
     from deploy import generate_data
     _Signals.deferred = False      # Ray Data blocks inside its own iterator: a signal interrupts it there
-    return generate_data.run(args, engine_args, defaults, check_signals=_check_signals,
-                             after_ray_init=_handle_signals)
+    return generate_data.run(args, engine_args, defaults, check_signals=_check_signals)
 
 
 def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     from tqdm import tqdm
 
-    from cluster.engine import ClusterEngine, connect_ray
+    from cluster.engine import ClusterEngine
 
     lines = read_lines(args.input)
     writer = ResultWriter(args.output, args.resume)
     try:
-        connect_ray(args.pp * (1 + args.ep))
-        _handle_signals()       # ray.init replaced the SIGTERM handler; a signal while the model loads is ours too
-        engine = ClusterEngine(engine_args)
+        engine = ClusterEngine(engine_args)     # our signal handlers stay through ray.init: see connect_ray
         interrupted = False
         try:
             try:

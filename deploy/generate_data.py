@@ -30,7 +30,7 @@ RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_conte
                  "prompt_tokens", "completion_tokens", "logprobs", "prompt_logprobs", "error")
 
 
-def run(args, engine_args, defaults: dict, check_signals, after_ray_init) -> int:
+def run(args, engine_args, defaults: dict, check_signals) -> int:
     from cluster.engine import connect_ray  # here, not above: see Replica
     from stages.loader import open_model, resolve_model_path
 
@@ -46,8 +46,7 @@ def run(args, engine_args, defaults: dict, check_signals, after_ray_init) -> int
         check_output_folder(args.output)
         writer = None
     try:
-        connect_ray(args.replicas * args.pp * (1 + args.ep))
-        after_ray_init()
+        connect_ray(args.replicas * args.pp * (1 + args.ep))     # keeps the caller's signal handlers
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = args.ordered
         context.enable_progress_bars = sys.stderr.isatty()
