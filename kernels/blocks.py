@@ -122,12 +122,16 @@ def row_bytes(ggml_type: int, k: int) -> int:
     return k // elems * size
 
 
-def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
+def check_raw(raw: torch.Tensor, dims: int, expected_row_bytes: int, what: str) -> None:
+    """raw is a contiguous `dims`-d uint8 tensor of rows of `expected_row_bytes` (`what` names their format)."""
     if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
         raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
-    if raw.shape[-1] != row_bytes(ggml_type, k):
-        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {row_bytes(ggml_type, k)} for "
-                         f"{T(ggml_type).name} with k={k}")
+    if raw.shape[-1] != expected_row_bytes:
+        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {expected_row_bytes} for {what}")
+
+
+def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
+    check_raw(raw, dims, row_bytes(ggml_type, k), f"{T(ggml_type).name} with k={k}")
 
 
 def _check_rows(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
@@ -383,10 +387,11 @@ def many_rows_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int
                                         n, k, out.data_ptr(), out.stride(0)))
 
 
-def benchmark(megabytes: int = 64, threads: int = 2, repeats: int = 5) -> dict[str, float]:
+def benchmark(megabytes: int = 1024, threads: int = 2, repeats: int = 5) -> dict[str, float]:
     """GB/s of weight bytes streamed by a 1-row fast product over a weight of about `megabytes`
     MB per type (Q8_0, MXFP4, Q3_K, Q4_K, Q6_K), and by numpy's float32 matrix-vector product, best of
-    `repeats`; printed and returned."""
+    `repeats`; printed and returned. A weight of 256 MB or less gave rates past the memory's on a 2-core
+    EPYC VM with 32 MB of L3 (Q6_K 46 GB/s where 1 GB gave 30): measure from memory with 1 GB."""
     import numpy as np
 
     torch.set_num_threads(threads)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.blocks import row_bytes as file_row_bytes
+from kernels.blocks import check_raw, row_bytes as file_row_bytes
 
 from .launch import check_device
 
@@ -350,12 +350,8 @@ def join_blocks(split: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
 
 
 def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
-    if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
-        raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
-    if raw.shape[-1] != row_bytes(ggml_type, k):
-        name = T(ggml_type % SPLIT).name + (" (split)" if ggml_type >= SPLIT else "")
-        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {row_bytes(ggml_type, k)} for {name} "
-                         f"with k={k}")
+    name = T(ggml_type % SPLIT).name + (" (split)" if ggml_type >= SPLIT else "")
+    check_raw(raw, dims, row_bytes(ggml_type, k), f"{name} with k={k}")
 
 
 def _check_matrix(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
