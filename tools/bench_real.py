@@ -12,7 +12,8 @@ after both files were dropped from the page cache, one engine at a time (a 24 GB
   prefill, batch-1 and 4-sequence decode, peak RSS;
 - raymoe as users run it: `python -m deploy.generate` at its defaults, PP=1 and PP=2, on one
   request; decode tok/s = (tokens - 1) / (job time - TTFT), from the job's own summary line.
-The rounds (--repeat) run every engine once each, so ratios are taken within a round; the report
+The rounds (--repeat) run every engine once each (every other round in reverse order, so that a
+drifting host favours no engine), so ratios are taken within a round; the report
 gives each figure's median and its range. It starts with the host: CPU model, cores, memory read
 bandwidth with every core (median of several reads), llama.cpp's system info, and the roofline
 (weight bytes a token reads / read bandwidth).
@@ -267,7 +268,9 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
               f"weights: roofline {roof:.1f} tok/s); prefill {64 if quick else 512} tokens; {repeat} rounds")
         rounds = []
         for i in range(repeat):
-            rounds.append({engine: run_in_child(engine, path, folder, quick) for engine in ENGINES})
+            # every other round in reverse: a host that drifts within a round favours neither end of the list
+            order = ENGINES if i % 2 == 0 else ENGINES[::-1]
+            rounds.append({engine: run_in_child(engine, path, folder, quick) for engine in order})
             busy = {e: r["stages_busy"] for e, r in rounds[-1].items() if isinstance(r, dict) and "stages_busy" in r}
             print(f"  round {i + 1}: stages busy {busy}; " + ", ".join(
                 f"{e} {r['decode_tok_s']:.2f}" if isinstance(r, dict) else f"{e} ({r})" for e, r in rounds[-1].items())
