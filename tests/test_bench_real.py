@@ -19,6 +19,7 @@ def test_bytes_per_token_counts_the_routed_share_of_the_experts():
 
 
 @pytest.mark.cluster
-def test_generate_is_timed_from_its_own_summary_line():
-    r = bench_real.bench_generate("tiny-gptoss", n_decode=6, pp=1)
+@pytest.mark.parametrize("sequences", [1, 4])
+def test_generate_is_timed_from_its_own_summary_line(sequences):
+    r = bench_real.bench_generate("tiny-gptoss", n_decode=6, pp=1, sequences=sequences)
     assert r["decode_tok_s"] > 0 and r["load_s"] > 0

@@ -11,7 +11,8 @@ after both files were dropped from the page cache, one engine at a time (a 24 GB
 - raymoe in-process (stages.engine.LocalEngine, every core): load, load + the first answer,
   prefill, batch-1 and 4-sequence decode, peak RSS;
 - raymoe as users run it: `python -m deploy.generate` at its defaults, PP=1 and PP=2, on one
-  request; decode tok/s = (tokens - 1) / (job time - TTFT), from the job's own summary line.
+  request, and on 4 at once (generate4: the aggregate); decode tok/s = (tokens - requests) / (job time -
+  TTFT), from the job's own summary line.
 The rounds (--repeat) run every engine once each (every other round in reverse order, so that a
 drifting host favours no engine), so ratios are taken within a round; the report
 gives each figure's median and its range. It starts with the host: CPU model, cores, memory read
@@ -36,7 +37,7 @@ from kernels.threads import node_cores
 from tools.bench import timed
 
 REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
-ENGINES = ("llama.cpp", "llama.cpp-half", "raymoe", "generate", "generate-pp2")
+ENGINES = ("llama.cpp", "llama.cpp-half", "raymoe", "generate", "generate-pp2", "generate4", "generate4-pp2")
 FIELDS = ("load_s", "first_answer_s", "peak_rss_gb", "prefill_tok_s", "decode_tok_s", "batch4_tok_s")
 VOCAB = 2000          # prompt ids drawn below it: real tokens of the synthetic files' tokenizer
 # targets (decode): raymoe / llama.cpp with n_threads = cores, per model; the product path / the engine; PP=2 / PP=1
@@ -184,14 +185,16 @@ def bench_llama_cpp(path: str, n_prompt: int, n_decode: int, threads: int) -> di
 SUMMARY = re.compile(r"(\d+) generated tokens in ([\d.]+) s.*TTFT p50 (\d+) ms; stages busy ([\d%/]+)")
 
 
-def bench_generate(path: str, n_decode: int, pp: int) -> dict:
-    """`python -m deploy.generate` at its defaults (and --pp) on one request of an 8-token prompt and
-    n_decode + 1 new tokens, as a user runs it: its own local Ray cluster, its summary line."""
+def bench_generate(path: str, n_decode: int, pp: int, sequences: int = 1) -> dict:
+    """`python -m deploy.generate` at its defaults (and --pp) on `sequences` requests of an 8-token prompt
+    and n_decode + 1 new tokens each, as a user runs it: its own local Ray cluster, its summary line.
+    decode_tok_s counts every sequence's tokens after its first (the requests start together)."""
     with tempfile.TemporaryDirectory() as d:
         src, out = os.path.join(d, "in.jsonl"), os.path.join(d, "out.jsonl")
         with open(src, "w") as f:
-            f.write(json.dumps({"id": "d", "prompt_token_ids": random_ids(8, 0), "max_tokens": n_decode + 1,
-                                "temperature": 0, "ignore_eos": True}) + "\n")
+            for i in range(sequences):
+                f.write(json.dumps({"id": i, "prompt_token_ids": random_ids(8, i), "max_tokens": n_decode + 1,
+                                    "temperature": 0, "ignore_eos": True}) + "\n")
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "deploy.generate", "--model", path, "--input", src,
                                "--output", out, "--pp", str(pp)], capture_output=True, text=True)
@@ -201,7 +204,8 @@ def bench_generate(path: str, n_decode: int, pp: int) -> dict:
         raise RuntimeError(f"deploy.generate failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
     tokens, elapsed, ttft = int(match[1]), float(match[2]), int(match[3]) / 1000
     # stages_busy: the share of the job each stage computed; the rest of a PP=1 step is the Ray path's cost
-    return {"load_s": wall - elapsed, "decode_tok_s": (tokens - 1) / (elapsed - ttft), "stages_busy": match[4]}
+    return {"load_s": wall - elapsed, "decode_tok_s": (tokens - sequences) / (elapsed - ttft),
+            "stages_busy": match[4]}
 
 
 def run_engine(spec: str, quick: bool) -> dict | None:
@@ -215,7 +219,10 @@ def run_engine(spec: str, quick: bool) -> dict | None:
         return bench_raymoe(path, n_prompt, n_decode)
     if engine.startswith("llama.cpp"):
         return bench_llama_cpp(path, n_prompt, n_decode, cores if engine == "llama.cpp" else max(1, cores // 2))
-    return bench_generate(path, n_decode, 2 if engine == "generate-pp2" else 1)
+    pp = 2 if "pp2" in engine else 1
+    if engine.startswith("generate4"):        # 4 sequences at once, as the in-process batch4 figure
+        return bench_generate(path, n_decode // 2, pp, sequences=4)
+    return bench_generate(path, n_decode, pp)
 
 
 def run_in_child(engine: str, path: str, folder: str, quick: bool) -> dict | str:
@@ -282,8 +289,8 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
                 print(f"{engine:<15}  {rounds[-1][engine]}")
                 continue
             decode = statistics.median(g["decode_tok_s"] for g in got)
-            print(f"{engine:<15}" + "".join(f"{spread([g.get(f) for g in got]):>22}" for f in FIELDS)
-                  + f"{100 * decode / roof:>13.0f}%")
+            share = "" if engine.startswith("generate4") else f"{100 * decode / roof:>13.0f}%"   # not batch 1
+            print(f"{engine:<15}" + "".join(f"{spread([g.get(f) for g in got]):>22}" for f in FIELDS) + share)
         print("decode ratios (median of rounds, range):")
         print(ratio_line("raymoe engine / llama.cpp (n_threads = cores)", rounds, "raymoe", "llama.cpp",
                          ENGINE_TARGET[model]))
@@ -292,6 +299,7 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
                          PRODUCT_TARGET[model]))
         print(ratio_line("deploy.generate defaults / raymoe engine", rounds, "generate", "raymoe", 0.95))
         print(ratio_line("deploy.generate --pp 2 / --pp 1", rounds, "generate-pp2", "generate", 0.9))
+        print(ratio_line("deploy.generate, 4 sequences, --pp 2 / --pp 1", rounds, "generate4-pp2", "generate4", 1.0))
         report[model] = {"bytes_per_token": per_token, "roofline_tok_s": roof, "rounds": rounds}
     return report
 
