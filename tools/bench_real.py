@@ -37,7 +37,9 @@ from kernels.threads import node_cores
 from tools.bench import timed
 
 REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
-ENGINES = ("llama.cpp", "llama.cpp-half", "raymoe", "generate", "generate-pp2", "generate4", "generate4-pp2")
+# deploy.generate's engines: (--pp, requests at once)
+GENERATE = {"generate": (1, 1), "generate-pp2": (2, 1), "generate4": (1, 4), "generate4-pp2": (2, 4)}
+ENGINES = ("llama.cpp", "llama.cpp-half", "raymoe", *GENERATE)
 FIELDS = ("load_s", "first_answer_s", "peak_rss_gb", "prefill_tok_s", "decode_tok_s", "batch4_tok_s")
 VOCAB = 2000          # prompt ids drawn below it: real tokens of the synthetic files' tokenizer
 # targets (decode): raymoe / llama.cpp with n_threads = cores, per model; the product path / the engine; PP=2 / PP=1
@@ -219,10 +221,9 @@ def run_engine(spec: str, quick: bool) -> dict | None:
         return bench_raymoe(path, n_prompt, n_decode)
     if engine.startswith("llama.cpp"):
         return bench_llama_cpp(path, n_prompt, n_decode, cores if engine == "llama.cpp" else max(1, cores // 2))
-    pp = 2 if "pp2" in engine else 1
-    if engine.startswith("generate4"):        # 4 sequences at once, as the in-process batch4 figure
-        return bench_generate(path, n_decode // 2, pp, sequences=4)
-    return bench_generate(path, n_decode, pp)
+    pp, sequences = GENERATE[engine]
+    # several sequences decode half the tokens each, as the in-process batch4 figure
+    return bench_generate(path, n_decode // 2 if sequences > 1 else n_decode, pp, sequences)
 
 
 def run_in_child(engine: str, path: str, folder: str, quick: bool) -> dict | str:
@@ -289,7 +290,8 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
                 print(f"{engine:<15}  {rounds[-1][engine]}")
                 continue
             decode = statistics.median(g["decode_tok_s"] for g in got)
-            share = "" if engine.startswith("generate4") else f"{100 * decode / roof:>13.0f}%"   # not batch 1
+            batch_1 = GENERATE.get(engine, (1, 1))[1] == 1
+            share = f"{100 * decode / roof:>13.0f}%" if batch_1 else ""
             print(f"{engine:<15}" + "".join(f"{spread([g.get(f) for g in got]):>22}" for f in FIELDS) + share)
         print("decode ratios (median of rounds, range):")
         print(ratio_line("raymoe engine / llama.cpp (n_threads = cores)", rounds, "raymoe", "llama.cpp",
