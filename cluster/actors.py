@@ -14,6 +14,7 @@ import ray
 import torch
 
 from kernels.threads import loading_threads, node_cores, release_openmp_workers, share_of_cores
+from kernels.weights import rows_computed_alone
 from stages.errors import RaymoeError
 from stages.loader import open_model
 from stages.engine import split_layers
@@ -50,6 +51,12 @@ class ExpertClient:
         return (torch.cat([s for s, _ in parts]).to(x.device), torch.cat([r for _, r in parts]).to(x.device))
 
 
+
+def alone_on(device: str, mode: str) -> int:
+    """Up to how many sequences may share a decode step here without changing their bits
+    (kernels.weights.rows_computed_alone); 0 on a GPU, whose decode steps are not checked for it."""
+    return 0 if device == "cuda" else rows_computed_alone(mode)
+
 @ray.remote
 class ExpertActor:
     def __init__(self, args, layers: tuple[int, int], experts: tuple[int, int]):
@@ -64,7 +71,7 @@ class ExpertActor:
         # the stage waits while its expert actors compute, side by side
         torch.set_num_threads(args.threads or share_of_cores(node_cores(), args.ep, args.ep))
         model = open_model(args.model, args.max_model_len)
-        self.device = torch.device(args.device)
+        self.device, self.mode = torch.device(args.device), args.dtype
         with loading_threads(args.dtype):
             w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
             spec = model.family.moe_spec(model.config)
@@ -80,6 +87,9 @@ class ExpertActor:
         if self.init_error is not None:
             raise self.init_error
         return os.getpid()
+
+    def rows_computed_alone(self) -> int:
+        return alone_on(self.device.type, self.mode)
 
 
 @ray.remote(concurrency_groups={"progress": 1})
@@ -243,3 +253,6 @@ class StageActor:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def rows_computed_alone(self) -> int:
+        return alone_on(self.args.device, self.args.dtype)

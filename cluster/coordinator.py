@@ -21,6 +21,7 @@ from collections import deque
 import ray
 import torch
 
+from stages.batch import merge_decode_steps, mergeable
 from stages.engine import EngineCore
 from stages.errors import RaymoeError, RequestError
 from stages.loader import open_model
@@ -76,11 +77,14 @@ class Coordinator:
         self.model_defaults = SamplingParams.from_dict(model.sampling_defaults)
         self.spec = spec
         self.pipeline = None
-        self.in_flight: dict[int, tuple] = {}          # group -> (refs, plan, batch)
+        # group -> (refs, plan, batch, part): refs None while held (_submit_held); part: its rows of a merged step's
+        # results (None: all of them)
+        self.in_flight: dict[int, tuple] = {}
         # (group, refs, plan, batch): the step after its group's one in flight, sent before that one's token is
         # back (a one-stage pipeline; _launch_ahead)
         self.ahead: tuple | None = None
         self.ahead_steps = self.ahead_dropped = 0      # steps sent ahead, and of those the ones not used
+        self.merged_steps = 0                           # steps that carried several groups' decode steps
         self.to_release: list[int] = []                 # finished sequences whose stage caches are still held
         self.next_group = 0
         self.wake = asyncio.Event()
@@ -182,7 +186,7 @@ class Coordinator:
         if seq is None:
             return
         seq.cancelled = True              # when busy: finished when its in-flight step returns
-        busy = any(c.seq is seq for _, plan, _ in self.in_flight.values() for c in plan)
+        busy = any(c.seq is seq for _, plan, _, _ in self.in_flight.values() for c in plan)
         if not busy:
             self._finish(seq, "abort")
 
@@ -249,7 +253,7 @@ class Coordinator:
         return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
                 "prefill_tokens": self.core.prefill_tokens, "ahead_steps": self.ahead_steps,
-                "ahead_dropped": self.ahead_dropped,
+                "ahead_dropped": self.ahead_dropped, "merged_steps": self.merged_steps,
                 "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
 
     def shutdown(self):
@@ -278,12 +282,41 @@ class Coordinator:
         # how many micro-batches compute at once: a batch alone in the pipeline gets every core of its stage's node
         computing = len(self.in_flight) + len(planned_now)
         for g, batch, plan in planned_now:
-            self.current = (g, plan)
             batch.computing = computing
-            self.in_flight[g] = (self.pipeline.submit(batch), plan, batch)
-            self._maybe_inject_fault()
+            self.in_flight[g] = (None, plan, batch, None)
+        self._submit_held()
         if self.spec.args.pp == 1 and self.ahead is None and len(self.in_flight) == 1:
             self._launch_ahead()
+
+    def _submit_held(self):
+        """Send the planned steps. A one-stage pipeline, whose groups' steps cannot overlap anyway, holds them
+        while it computes; once it is done, it sends the decode steps of up to rows_computed_alone sequences as
+        one step, which reads the weights once for all of them. There every product computes each row as it
+        would alone, so each sequence gets the same bits as in its own group's step (at any --pp)."""
+        held = [(g, plan, batch) for g, (refs, plan, batch, _) in self.in_flight.items() if refs is None]
+        limit = self.pipeline.rows_computed_alone if self.spec.args.pp == 1 else 0
+        if not held or (limit > 1 and len(held) < len(self.in_flight)):
+            return
+        runs: list[list] = []
+        for g, plan, batch in held:
+            run = runs[-1] if runs else None
+            if (run and mergeable(batch) and all(mergeable(b) for _, _, b in run)
+                    and sum(b.n_tokens for _, _, b in run) + batch.n_tokens <= limit):
+                run.append((g, plan, batch))
+            else:
+                runs.append([(g, plan, batch)])
+        for run in runs:
+            g, plan, batch = run[0]
+            self.current = (g, plan)
+            if len(run) == 1:
+                self.in_flight[g] = (self.pipeline.submit(batch), plan, batch, None)
+            else:
+                refs, row = self.pipeline.submit(merge_decode_steps([b for _, _, b in run])), 0
+                for g, plan, batch in run:
+                    self.in_flight[g] = (refs, plan, batch, slice(row, row + len(batch.seq_ids)))
+                    row += len(batch.seq_ids)
+                self.merged_steps += 1
+            self._maybe_inject_fault()
 
     def _launch_ahead(self):
         """One batch in flight on a one-stage pipeline: when it is one sequence's step, send its next step now
@@ -291,7 +324,7 @@ class Coordinator:
         for the coordinator to consume the result and plan again, as vLLM's asynchronous scheduling does. It is
         the step the coordinator would send next, so the outputs are the same; when the sequence ends with this
         token instead, the stage computes one step for nothing."""
-        g, (_, plan, _) = next(iter(self.in_flight.items()))
+        g, (_, plan, _, _) = next(iter(self.in_flight.items()))
         self.current = (g, plan)
         planned = self.core.plan_ahead(plan)
         if planned is not None:
@@ -307,7 +340,7 @@ class Coordinator:
         _, refs, plan, batch = self.ahead
         self.ahead = None
         if plan[0].seq.seq_id in self.core.sequences:
-            self.in_flight[group] = (refs, plan, batch)
+            self.in_flight[group] = (refs, plan, batch, None)
         else:       # it ended (or was cancelled) with the token before: its caches are released after this step
             self.core.drop_ahead(plan)
             self.ahead_dropped += 1
@@ -350,11 +383,13 @@ class Coordinator:
             self.wake.clear()
             await self.wake.wait()
             return
-        # the oldest micro-batch first: results are consumed in the order batches were planned, whatever the
+        # the oldest micro-batch sent first: results are consumed in the order batches were planned, whatever the
         # pipeline depth (a stage runs its calls in order, so nothing is lost by waiting for it)
-        g, (refs, plan, _) = next(iter(self.in_flight.items()))
+        g, (refs, plan, _, part) = next((g, f) for g, f in self.in_flight.items() if f[0] is not None)
         try:
             results = await self._gather(refs)
+            if part is not None:
+                results = results[part]
         except ray.exceptions.RayError as e:
             oom = out_of_memory(e)
             log.warning("micro-batch failed (%s%s); restarting the pipeline", type(e).__name__,

@@ -173,6 +173,9 @@ class Pipeline:
         """Wait for every actor to load; join the process group for the gloo transport, make the rings for shm."""
         ray.get(list(self.loading.values()) + [e.ping.remote() for ex in self.experts for e in ex], timeout=timeout)
         self.loading.clear()
+        # up to how many sequences one decode step may carry with the bits each gets alone, on every actor
+        self.rows_computed_alone = min(ray.get([a.rows_computed_alone.remote()
+                                                for a in self.stages + [e for ex in self.experts for e in ex]]))
         if self.args.transport in P2P:
             address = ray.get(self.stages[0].rendezvous_address.remote())
             ray.get([a.join_group.remote(address, rank, len(self.stages), self.args.transport)

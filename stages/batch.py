@@ -1,7 +1,7 @@
 """One forward step's batch: chunks of several sequences laid end to end in one flat tensor."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,28 @@ class StepBatch:
 
     def positions(self) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n) for s, n in zip(self.start_pos, self.lengths)])
+
+
+def mergeable(batch: StepBatch) -> bool:
+    """A decode step that merge_decode_steps can join with others: its tokens at hand, its sampling planned,
+    no prefix-cache work."""
+    return batch.decoding and not batch.follow and not batch.prefix and batch.sampling is not None
+
+
+def merge_decode_steps(batches: list[StepBatch]) -> StepBatch:
+    """Mergeable decode steps of distinct sequences as one step, their chunks in order: the last stage's
+    results are theirs, laid end to end (one per sequence). Rows and logit rows move by those before."""
+    sampling, logit_rows, row = [], [], 0
+    for b in batches:
+        shift = len(logit_rows)
+        sampling += [replace(c, first=c.first + shift, tip=None if c.tip is None else c.tip + shift) for c in b.sampling]
+        logit_rows += [r + row for r in b.logit_rows]
+        row += b.n_tokens
+    return StepBatch(seq_ids=[s for b in batches for s in b.seq_ids],
+                     start_pos=[p for b in batches for p in b.start_pos],
+                     lengths=[n for b in batches for n in b.lengths],
+                     token_ids=[t for b in batches for t in b.token_ids],
+                     logit_rows=logit_rows, sampling=sampling, computing=batches[0].computing)
 
 
 @dataclass

@@ -63,6 +63,7 @@ def references():
             results, stats = run(model, pp=1)
             assert all("error" not in r for r in results)
             assert any(r["prompt_logprobs"] for r in results) and any(r["logprobs"] for r in results)
+            assert stats["merged_steps"] > 0        # PP=1 sent its groups' decode steps as one step
             done[model] = model, results, stats
         return done[model]
     return get
