@@ -279,24 +279,28 @@ class Coordinator:
             planned = self.core.next_batch(g)
             if planned is not None:
                 planned_now.append((g, *planned))
-        # how many micro-batches compute at once: a batch alone in the pipeline gets every core of its stage's node
-        computing = len(self.in_flight) + len(planned_now)
         for g, batch, plan in planned_now:
-            batch.computing = computing
             self.in_flight[g] = (None, plan, batch, None)
         self._submit_held()
         if self.spec.args.pp == 1 and self.ahead is None and len(self.in_flight) == 1:
             self._launch_ahead()
 
     def _submit_held(self):
-        """Send the planned steps. A one-stage pipeline, whose groups' steps cannot overlap anyway, holds them
-        while it computes; once it is done, it sends the decode steps of up to rows_computed_alone sequences as
-        one step, which reads the weights once for all of them. There every product computes each row as it
-        would alone, so each sequence gets the same bits as in its own group's step (at any --pp)."""
+        """Send the planned steps. While the pipeline computes as many steps as are worth computing at once
+        (Pipeline.concurrent_steps), the next ones wait; then the decode steps waiting go as that many steps or
+        fewer, each of up to rows_computed_alone sequences: a step reads the weights once for all of its
+        sequences. Every product computes each of those rows as it would alone, so each sequence gets the bits
+        of its own group's step, and the outputs stay the same at every --pp."""
         held = [(g, plan, batch) for g, (refs, plan, batch, _) in self.in_flight.items() if refs is None]
-        limit = self.pipeline.rows_computed_alone if self.spec.args.pp == 1 else 0
-        if not held or (limit > 1 and len(held) < len(self.in_flight)):
+        if not held:
             return
+        sent = {id(f[0]) for f in self.in_flight.values() if f[0] is not None} | ({0} if self.ahead else set())
+        limit = self.pipeline.rows_computed_alone
+        if limit > 1:
+            free = self.pipeline.concurrent_steps - len(sent)
+            if free <= 0:
+                return
+            limit = min(limit, -(-sum(b.n_tokens for _, _, b in held if mergeable(b)) // free))
         runs: list[list] = []
         for g, plan, batch in held:
             run = runs[-1] if runs else None
@@ -308,6 +312,8 @@ class Coordinator:
         for run in runs:
             g, plan, batch = run[0]
             self.current = (g, plan)
+            # how many steps compute at once: a step alone in the pipeline gets every core of its stage's node
+            batch.computing = len(sent) + len(runs)
             if len(run) == 1:
                 self.in_flight[g] = (self.pipeline.submit(batch), plan, batch, None)
             else:

@@ -111,6 +111,10 @@ class Pipeline:
             self._check_one_node()
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         self.stages_here = [sum(nodes[j] == nodes[i] for j in range(args.pp)) for i in range(args.pp)]
+        # decode steps worth computing at once: one per node, since the stages on a node share its memory
+        # bandwidth (a decode step reads weights at about its rate): reading them once for more sequences gains
+        # more than overlapping steps there
+        self.concurrent_steps = len({nodes[i] for i in range(args.pp)})
         self.stages: list = [None] * args.pp
         self.experts: list[list] = [[] for _ in range(args.pp)]
         self.loading: dict[int, object] = {}            # stage -> its load() ref, while it loads
