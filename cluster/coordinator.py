@@ -310,19 +310,30 @@ class Coordinator:
             else:
                 runs.append([(g, plan, batch)])
         for run in runs:
-            g, plan, batch = run[0]
-            self.current = (g, plan)
             # how many steps compute at once: a step alone in the pipeline gets every core of its stage's node
-            batch.computing = len(sent) + len(runs)
-            if len(run) == 1:
-                self.in_flight[g] = (self.pipeline.submit(batch), plan, batch, None)
-            else:
-                refs, row = self.pipeline.submit(merge_decode_steps([b for _, _, b in run])), 0
-                for g, plan, batch in run:
-                    self.in_flight[g] = (refs, plan, batch, slice(row, row + len(batch.seq_ids)))
-                    row += len(batch.seq_ids)
-                self.merged_steps += 1
-            self._maybe_inject_fault()
+            run[0][2].computing = len(sent) + len(runs)
+            self._send(run)
+
+    def _send(self, run: list):
+        """Submit the steps of `run` ((group, plan, batch) each) as one step."""
+        g, plan, batch = run[0]
+        self.current = (g, plan)
+        if len(run) == 1:
+            self.in_flight[g] = (self.pipeline.submit(batch), plan, batch, None)
+        else:
+            try:
+                refs = self.pipeline.submit(merge_decode_steps([b for _, _, b in run]))
+            except Exception:       # each alone, so that only the group whose step cannot go fails
+                for one in run:
+                    one[2].computing = batch.computing
+                    self._send([one])
+                return
+            row = 0
+            for g, plan, batch in run:
+                self.in_flight[g] = (refs, plan, batch, slice(row, row + len(batch.seq_ids)))
+                row += len(batch.seq_ids)
+            self.merged_steps += 1
+        self._maybe_inject_fault()
 
     def _launch_ahead(self):
         """One batch in flight on a one-stage pipeline: when it is one sequence's step, send its next step now

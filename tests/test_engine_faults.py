@@ -27,6 +27,7 @@ class LocalPipeline:
     def __init__(self, model, hang=False, fail_for=None):
         self.stage = Stage(model, range(model.n_layers))
         self.spec = SimpleNamespace(pp=1)
+        self.rows_computed_alone, self.concurrent_steps = 8, 1     # decode steps of up to 8 sequences merged
         self.hang, self.fail_for = hang, fail_for
 
     def submit(self, batch):
