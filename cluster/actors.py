@@ -51,11 +51,11 @@ class ExpertClient:
         return (torch.cat([s for s, _ in parts]).to(x.device), torch.cat([r for _, r in parts]).to(x.device))
 
 
-
 def alone_on(device: str, mode: str) -> int:
     """Up to how many sequences may share a decode step here without changing their bits
     (kernels.weights.rows_computed_alone); 0 on a GPU, whose decode steps are not checked for it."""
     return 0 if device == "cuda" else rows_computed_alone(mode)
+
 
 @ray.remote
 class ExpertActor:

@@ -3,8 +3,10 @@
 Every micro-batch group (see stages.engine.EngineCore) may have a batch in flight at once, so
 with at least as many groups as stages every stage has work. Batches are planned round-robin over
 the groups and their results consumed in the order they were planned, whatever the pipeline depth:
-the same requests give the same batches, and the same outputs, at every PP. When a stage actor dies, the pipeline replaces it
-and every live sequence recomputes its caches from its tokens; the outputs are unchanged.
+the same requests give the same batches, and the same outputs, at every PP. Decode steps planned while the pipeline
+is busy go out together as one step (_submit_held, docs/merged-steps.md), with the same bits. When a stage actor
+dies, the pipeline replaces it and every live sequence recomputes its caches from its tokens; the outputs are
+unchanged.
 
 The scheduler loop never ends on an error: an exception it did not expect is logged with its
 traceback and fails only the sequences it concerns (those of the micro-batch at hand), with an

@@ -36,7 +36,6 @@ UNQUANTISED = (F32, F16, BF16)
 BLOCK_TYPES = (1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39)
 
 
-
 def rows_computed_alone(mode: str) -> int:
     """Up to how many rows every product of a CPU decode step in `mode` computes each row by itself, in a
     fixed order, with the bits it gets alone: those of the compiled few-row kernels (blocks.c's, up to 8 rows
@@ -47,6 +46,7 @@ def rows_computed_alone(mode: str) -> int:
     if blocks.library() is None or few_rows() is None or (mode == "int8" and int8_rows() is None):
         return 0
     return min(ops.DECODE_ROWS, FEW_ROWS)
+
 
 class DenseWeight:
     """A float32 tensor [..., N, K]."""
