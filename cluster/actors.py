@@ -51,12 +51,6 @@ class ExpertClient:
         return (torch.cat([s for s, _ in parts]).to(x.device), torch.cat([r for _, r in parts]).to(x.device))
 
 
-def alone_on(device: str, mode: str) -> int:
-    """Up to how many sequences may share a decode step here without changing their bits
-    (kernels.weights.rows_computed_alone); 0 on a GPU, whose decode steps are not checked for it."""
-    return 0 if device == "cuda" else rows_computed_alone(mode)
-
-
 @ray.remote
 class ExpertActor:
     def __init__(self, args, layers: tuple[int, int], experts: tuple[int, int]):
@@ -89,7 +83,7 @@ class ExpertActor:
         return os.getpid()
 
     def rows_computed_alone(self) -> int:
-        return alone_on(self.device.type, self.mode)
+        return rows_computed_alone(self.mode, self.device.type)
 
 
 @ray.remote(concurrency_groups={"progress": 1})
@@ -255,4 +249,4 @@ class StageActor:
         return os.getpid()
 
     def rows_computed_alone(self) -> int:
-        return alone_on(self.args.device, self.args.dtype)
+        return rows_computed_alone(self.args.dtype, self.args.device)

@@ -296,10 +296,11 @@ class Coordinator:
         held = [(g, plan, batch) for g, (refs, plan, batch, _) in self.in_flight.items() if refs is None]
         if not held:
             return
-        sent = {id(f[0]) for f in self.in_flight.values() if f[0] is not None} | ({0} if self.ahead else set())
+        # steps computing: those sent (a merged step's groups share its refs), and the one sent ahead
+        sent = len({id(f[0]) for f in self.in_flight.values() if f[0] is not None}) + (self.ahead is not None)
         limit = self.pipeline.rows_computed_alone
         if limit > 1:
-            free = self.pipeline.concurrent_steps - len(sent)
+            free = self.pipeline.concurrent_steps - sent
             if free <= 0:
                 return
             limit = min(limit, -(-sum(b.n_tokens for _, _, b in held if mergeable(b)) // free))
@@ -313,7 +314,7 @@ class Coordinator:
                 runs.append([(g, plan, batch)])
         for run in runs:
             # how many steps compute at once: a step alone in the pipeline gets every core of its stage's node
-            run[0][2].computing = len(sent) + len(runs)
+            run[0][2].computing = sent + len(runs)
             self._send(run)
 
     def _send(self, run: list):

@@ -36,14 +36,14 @@ UNQUANTISED = (F32, F16, BF16)
 BLOCK_TYPES = (1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39)
 
 
-def rows_computed_alone(mode: str) -> int:
+def rows_computed_alone(mode: str, device: str = "cpu") -> int:
     """Up to how many rows every product of a CPU decode step in `mode` computes each row by itself, in a
     fixed order, with the bits it gets alone: those of the compiled few-row kernels (blocks.c's, up to 8 rows
     a weight in the fast mode; few_rows.c's). So up to that many sequences may share a decode step without
-    changing a bit of theirs. 0 where this host lacks a kernel that would be needed: BLAS and torch may sum a
-    row otherwise in company."""
+    changing a bit of theirs. 0 where this host lacks a kernel that would be needed (BLAS and torch may sum a
+    row otherwise in company), and on a GPU, whose decode steps are not checked for it."""
     from .native import few_rows, int8_rows
-    if blocks.library() is None or few_rows() is None or (mode == "int8" and int8_rows() is None):
+    if device == "cuda" or blocks.library() is None or few_rows() is None or (mode == "int8" and int8_rows() is None):
         return 0
     return min(ops.DECODE_ROWS, FEW_ROWS)
 
