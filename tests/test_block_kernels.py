@@ -482,6 +482,11 @@ def _row_alone_equals_row_in_group(t, k):
         part = torch.empty(b - a, n)
         blocks.grouped_many_rows(x[a:b], raw, t, k, [(0, 0, b - a)], part)
         assert torch.equal(part, together[a:b])
+    # and a weight row's, whichever tile of weight rows (1, 2 or 4 of them) it falls in
+    for a, b in ((0, 1), (1, 3), (3, 7), (7, 21)):
+        part = torch.empty(m, b - a)
+        blocks.grouped_many_rows(x, raw[:, a:b].contiguous(), t, k, [(0, 0, m)], part)
+        assert torch.equal(part, together[:, a:b])
 
 
 # ---- errors --------------------------------------------------------------------------------------

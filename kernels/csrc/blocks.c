@@ -1950,6 +1950,74 @@ INLINE void tile_k(int RM, int RN, int kind, block_k *const *w, int64_t k, const
         for (int j = 0; j < RN; j++) y[i * ldy + j] = kind == 2 ? out[2 * i + j] - out[8 + 2 * i + j] : out[2 * i + j];
 }
 
+/* tile_k for four weight rows, where the sums cost less per pair: the 16 pairs' integer sums fill one
+ * vector (lane 4 i + j), and the offsets' or the mins' terms, taken two weight rows to a product, one
+ * more. S (with the offsets' term added: integer sums, exact in any order) and M then meet the same
+ * float operations as in tile_k, super-block after super-block, so both give the same bits. */
+INLINE void tile_k4(int RM, int kind, block_k *const *w, int64_t k, const quantized_x *xq, int64_t row,
+                    float *y, int64_t ldy) {
+    const __m512i lane_i = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i lane_j = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / QK; b++) {
+        __m512i s[16];
+        for (int p = 0; p < 16; p++) s[p] = _mm512_setzero_si512();
+        for (int z = 0; z < 4; z++) {
+            __m512i u[4];
+            for (int j = 0; j < 4; j++) u[j] = _mm512_load_si512(w[j][b].u + 64 * z);
+            for (int i = 0; i < RM; i++) {
+                const __m512i q = _mm512_load_si512(xq->q + (row + i) * xq->kq + QK * b + 64 * z);
+                for (int j = 0; j < 4; j++)
+                    s[4 * i + j] = _mm512_dpwssd_epi32(s[4 * i + j], _mm512_maddubs_epi16(u[j], q),
+                                                       _mm512_load_si512(w[j][b].scx + 32 * z));
+            }
+        }
+        /* per i, two weight rows to a product: lanes 0-7 the first's terms, 8-15 the second's */
+        __m512i o[8];
+        float dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int i = 0; i < 4; i++) {
+            if (i >= RM) {
+                o[2 * i] = o[2 * i + 1] = _mm512_setzero_si512();
+                continue;
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(xq->bsum + (row + i) * (k / 16) + 16 * b));
+            const __m512i bsum = _mm512_inserti64x4(_mm512_castsi256_si512(bs), bs, 1);
+            dx[i] = xq->d[(row + i) * xq->nb + b];
+            for (int h = 0; h < 2; h++) {
+                const int16_t *t0 = kind == 1 ? w[2 * h][b].offsc : w[2 * h][b].mn;
+                const int16_t *t1 = kind == 1 ? w[2 * h + 1][b].offsc : w[2 * h + 1][b].mn;
+                const __m512i terms = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)t0)),
+                                                         _mm256_load_si256((const __m256i *)t1), 1);
+                o[2 * i + h] = _mm512_madd_epi16(bsum, terms);
+            }
+        }
+        for (int p = 0; p < 8; p++) s[p] = sum_pairs(s[2 * p], s[2 * p + 1]);
+        for (int p = 0; p < 4; p++) s[p] = sum_pairs(s[2 * p], s[2 * p + 1]);
+        for (int p = 0; p < 4; p++) o[p] = sum_pairs(o[2 * p], o[2 * p + 1]);
+        for (int p = 0; p < 2; p++) {
+            s[p] = sum_pairs(s[2 * p], s[2 * p + 1]);
+            o[p] = sum_pairs(o[2 * p], o[2 * p + 1]);
+        }
+        __m512i sum = sum_pairs(s[0], s[1]);
+        const __m512i terms = sum_pairs(o[0], o[1]);
+        if (kind == 1) sum = _mm512_add_epi32(sum, terms);
+        const __m512 xv = _mm512_permutexvar_ps(lane_i, _mm512_castps128_ps512(_mm_loadu_ps(dx)));
+        const __m512 wv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(
+            _mm_setr_ps(w[0][b].dw, w[1][b].dw, w[2][b].dw, w[3][b].dw)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wv, xv), acc);
+        if (kind == 2) {
+            const __m512 mv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(
+                _mm_setr_ps(w[0][b].dm, w[1][b].dm, w[2][b].dm, w[3][b].dm)));
+            accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(terms), _mm512_mul_ps(mv, xv), accm);
+        }
+    }
+    float out[16] __attribute__((aligned(64))), outm[16] __attribute__((aligned(64)));
+    _mm512_store_ps(out, acc);
+    _mm512_store_ps(outm, accm);
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < 4; j++) y[i * ldy + j] = kind == 2 ? out[4 * i + j] - outm[4 * i + j] : out[4 * i + j];
+}
+
 typedef void (*tile_a_fn)(const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
 typedef void (*tile_k_fn)(block_k *const *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
 
@@ -1961,6 +2029,9 @@ typedef void (*tile_k_fn)(block_k *const *w, int64_t k, const quantized_x *xq, i
 ROWS4(TILE_A, 1, 0) ROWS4(TILE_A, 2, 0) ROWS4(TILE_A, 3, 0) ROWS4(TILE_A, 4, 0)
 ROWS4(TILE_A, 1, 1) ROWS4(TILE_A, 2, 1) ROWS4(TILE_A, 3, 1) ROWS4(TILE_A, 4, 1)
 ROWS4(TILE_K, 1, 1) ROWS4(TILE_K, 2, 1) ROWS4(TILE_K, 1, 2) ROWS4(TILE_K, 2, 2)
+#define TILE_K4(M, X) static void tile_k4_##M##_##X(block_k *const *w, int64_t k, const quantized_x *xq, \
+    int64_t row, float *y, int64_t ldy) { tile_k4(M, X, w, k, xq, row, y, ldy); }
+TILE_K4(1, 1) TILE_K4(2, 1) TILE_K4(3, 1) TILE_K4(4, 1) TILE_K4(1, 2) TILE_K4(2, 2) TILE_K4(3, 2) TILE_K4(4, 2)
 #define COL4(P, N, X) {P##_1_##N##_##X, P##_2_##N##_##X, P##_3_##N##_##X, P##_4_##N##_##X}
 
 /* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row). */
@@ -1969,15 +2040,19 @@ static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, i
     static const tile_a_fn ta[2][4][4] = {{COL4(tile_a, 1, 0), COL4(tile_a, 2, 0), COL4(tile_a, 3, 0), COL4(tile_a, 4, 0)},
                                           {COL4(tile_a, 1, 1), COL4(tile_a, 2, 1), COL4(tile_a, 3, 1), COL4(tile_a, 4, 1)}};
     static const tile_k_fn tk[2][2][4] = {{COL4(tile_k, 1, 1), COL4(tile_k, 2, 1)}, {COL4(tile_k, 1, 2), COL4(tile_k, 2, 2)}};
-    const int rn = is_k_quant(t) ? 2 : 4;
+    static const tile_k_fn tk4[2][4] = {{tile_k4_1_1, tile_k4_2_1, tile_k4_3_1, tile_k4_4_1},
+                                        {tile_k4_1_2, tile_k4_2_2, tile_k4_3_2, tile_k4_4_2}};
     for (int64_t i = a; i < b; i += 4) {
         const int rm = b - i < 4 ? (int)(b - i) : 4;
-        for (int j = 0; j < nr; j += rn) {
-            const int cols = nr - j < rn ? nr - j : rn;
-            if (is_k_quant(t))
+        for (int j = 0; j < nr;) {
+            const int rn = !is_k_quant(t) || nr - j >= 4 ? 4 : 2, cols = nr - j < rn ? nr - j : rn;
+            if (is_k_quant(t) && cols == 4)
+                tk4[has_min_k(t)][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
+            else if (is_k_quant(t))
                 tk[has_min_k(t)][cols - 1][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
             else
                 ta[has_min_a(t)][cols - 1][rm - 1](wa + j, k, xq, i, y + i * ldy + j, ldy);
+            j += cols;
         }
     }
 }
