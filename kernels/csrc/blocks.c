@@ -450,12 +450,14 @@ typedef struct {
     int16_t mn[16];        /* min per 16 */
     float dw, dm;
     int32_t off;
-    uint8_t pad[52];       /* 640 bytes: whole cache lines */
+    int16_t sc[16];        /* sc per 16 */
+    uint8_t pad[20];       /* 640 bytes: whole cache lines */
 } block_k;
 
 static void finish_k(block_k *c, const int *sc, int off) {
     c->off = off;
     for (int s = 0; s < 16; s++) {
+        c->sc[s] = (int16_t)sc[s];
         c->offsc[s] = (int16_t)(-off * sc[s]);
         for (int i = 0; i < 8; i++) c->scx[8 * s + i] = (int16_t)sc[s];
     }
@@ -505,6 +507,7 @@ static inline void finish_k_simd(block_k *c, __m256i sc, __m256i mn, int off) {
     _mm256_storeu_si256((__m256i *)each, sc);
     for (int j = 0; j < 16; j++) _mm_storeu_si128((__m128i *)(c->scx + 8 * j), _mm_set1_epi16(each[j]));
 #endif
+    _mm256_storeu_si256((__m256i *)c->sc, sc);
     _mm256_storeu_si256((__m256i *)c->offsc, _mm256_mullo_epi16(sc, _mm256_set1_epi16((short)-off)));
     _mm256_storeu_si256((__m256i *)c->mn, mn);
 }
@@ -1950,11 +1953,33 @@ INLINE void tile_k(int RM, int RN, int kind, block_k *const *w, int64_t k, const
         for (int j = 0; j < RN; j++) y[i * ldy + j] = kind == 2 ? out[2 * i + j] - out[8 + 2 * i + j] : out[2 * i + j];
 }
 
-/* tile_k for four weight rows, where the sums cost less per pair: the 16 pairs' integer sums fill one
- * vector (lane 4 i + j), and the offsets' or the mins' terms, taken two weight rows to a product, one
- * more. S (with the offsets' term added: integer sums, exact in any order) and M then meet the same
- * float operations as in tile_k, super-block after super-block, so both give the same bits. */
-INLINE void tile_k4(int RM, int kind, block_k *const *w, int64_t k, const quantized_x *xq, int64_t row,
+/* A K-quant super-block's 256 bytes (of u, or of activations) transposed as a 16 x 4 matrix of 4-byte
+ * groups: group z of 16-element part l goes to register z, lane l. Then lane l of every register holds
+ * part l, which has one scale, so dpbusd sums a lane over the four registers before one multiply
+ * by the scale. */
+static inline void transpose_k(uint8_t *p) {
+    __m512i r[4], t[4];
+    for (int h = 0; h < 4; h++) r[h] = _mm512_loadu_si512(p + 64 * h);
+    for (int z = 0; z < 4; z++) {
+        /* lanes 4h..4h+3 from r[h]'s z, 4 + z, 8 + z, 12 + z */
+        const __m512i lo = _mm512_setr_epi32(z, 4 + z, 8 + z, 12 + z, 16 + z, 20 + z, 24 + z, 28 + z,
+                                             0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i hi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0,
+                                             z, 4 + z, 8 + z, 12 + z, 16 + z, 20 + z, 24 + z, 28 + z);
+        t[z] = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(r[0], lo, r[1]),
+                                       _mm512_permutex2var_epi32(r[2], hi, r[3]));
+    }
+    for (int z = 0; z < 4; z++) _mm512_storeu_si512(p + 64 * z, t[z]);
+}
+
+/* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for K-quant weights and activations whose
+ * super-blocks are transposed (transpose_k). Per super-block and pair (i, j) the integer sum S =
+ * sum q sc (u - off) is exact: lane l of dpbusd's four products sums part l's u q, times part l's
+ * scale; the offsets' (or the mins') terms, two weight rows to a product, are summed apart; the 16
+ * pairs' sums fill one register (lane 4 i + j). Then acc = fma(S, dw dx, acc) and accm = fma(M, dm
+ * dx, accm), super-block after super-block, and y = acc - accm: what tile_k and the AMX kernel do,
+ * so all give the same bits. kind: 1 = an offset (Q3_K, Q6_K), 2 = mins. */
+INLINE void tile_kt(int RM, int RN, int kind, block_k *const *w, int64_t k, const quantized_x *xq, int64_t row,
                     float *y, int64_t ldy) {
     const __m512i lane_i = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i lane_j = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
@@ -1964,31 +1989,30 @@ INLINE void tile_k4(int RM, int kind, block_k *const *w, int64_t k, const quanti
         for (int p = 0; p < 16; p++) s[p] = _mm512_setzero_si512();
         for (int z = 0; z < 4; z++) {
             __m512i u[4];
-            for (int j = 0; j < 4; j++) u[j] = _mm512_load_si512(w[j][b].u + 64 * z);
+            for (int j = 0; j < RN; j++) u[j] = _mm512_load_si512(w[j][b].u + 64 * z);
             for (int i = 0; i < RM; i++) {
                 const __m512i q = _mm512_load_si512(xq->q + (row + i) * xq->kq + QK * b + 64 * z);
-                for (int j = 0; j < 4; j++)
-                    s[4 * i + j] = _mm512_dpwssd_epi32(s[4 * i + j], _mm512_maddubs_epi16(u[j], q),
-                                                       _mm512_load_si512(w[j][b].scx + 32 * z));
+                for (int j = 0; j < RN; j++) s[4 * i + j] = _mm512_dpbusd_epi32(s[4 * i + j], u[j], q);
             }
+        }
+        for (int j = 0; j < RN; j++) {
+            const __m512i sc = _mm512_cvtepi16_epi32(_mm256_load_si256((const __m256i *)w[j][b].sc));
+            for (int i = 0; i < RM; i++) s[4 * i + j] = _mm512_mullo_epi32(s[4 * i + j], sc);
         }
         /* per i, two weight rows to a product: lanes 0-7 the first's terms, 8-15 the second's */
         __m512i o[8];
         float dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int i = 0; i < 4; i++) {
-            if (i >= RM) {
-                o[2 * i] = o[2 * i + 1] = _mm512_setzero_si512();
-                continue;
-            }
+            o[2 * i] = o[2 * i + 1] = _mm512_setzero_si512();
+            if (i >= RM) continue;
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(xq->bsum + (row + i) * (k / 16) + 16 * b));
             const __m512i bsum = _mm512_inserti64x4(_mm512_castsi256_si512(bs), bs, 1);
             dx[i] = xq->d[(row + i) * xq->nb + b];
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; 2 * h < RN; h++) {
                 const int16_t *t0 = kind == 1 ? w[2 * h][b].offsc : w[2 * h][b].mn;
-                const int16_t *t1 = kind == 1 ? w[2 * h + 1][b].offsc : w[2 * h + 1][b].mn;
-                const __m512i terms = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)t0)),
-                                                         _mm256_load_si256((const __m256i *)t1), 1);
-                o[2 * i + h] = _mm512_madd_epi16(bsum, terms);
+                const __m256i t1 = 2 * h + 1 < RN ? _mm256_load_si256((const __m256i *)(kind == 1 ? w[2 * h + 1][b].offsc : w[2 * h + 1][b].mn))
+                                                  : _mm256_setzero_si256();
+                o[2 * i + h] = _mm512_madd_epi16(bsum, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)t0)), t1, 1));
             }
         }
         for (int p = 0; p < 8; p++) s[p] = sum_pairs(s[2 * p], s[2 * p + 1]);
@@ -2001,13 +2025,16 @@ INLINE void tile_k4(int RM, int kind, block_k *const *w, int64_t k, const quanti
         __m512i sum = sum_pairs(s[0], s[1]);
         const __m512i terms = sum_pairs(o[0], o[1]);
         if (kind == 1) sum = _mm512_add_epi32(sum, terms);
+        float dw[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < RN; j++) {
+            dw[j] = w[j][b].dw;
+            dm[j] = w[j][b].dm;
+        }
         const __m512 xv = _mm512_permutexvar_ps(lane_i, _mm512_castps128_ps512(_mm_loadu_ps(dx)));
-        const __m512 wv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(
-            _mm_setr_ps(w[0][b].dw, w[1][b].dw, w[2][b].dw, w[3][b].dw)));
+        const __m512 wv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(_mm_loadu_ps(dw)));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wv, xv), acc);
         if (kind == 2) {
-            const __m512 mv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(
-                _mm_setr_ps(w[0][b].dm, w[1][b].dm, w[2][b].dm, w[3][b].dm)));
+            const __m512 mv = _mm512_permutexvar_ps(lane_j, _mm512_castps128_ps512(_mm_loadu_ps(dm)));
             accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(terms), _mm512_mul_ps(mv, xv), accm);
         }
     }
@@ -2015,7 +2042,7 @@ INLINE void tile_k4(int RM, int kind, block_k *const *w, int64_t k, const quanti
     _mm512_store_ps(out, acc);
     _mm512_store_ps(outm, accm);
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < 4; j++) y[i * ldy + j] = kind == 2 ? out[4 * i + j] - outm[4 * i + j] : out[4 * i + j];
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = kind == 2 ? out[4 * i + j] - outm[4 * i + j] : out[4 * i + j];
 }
 
 typedef void (*tile_a_fn)(const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
@@ -2029,25 +2056,27 @@ typedef void (*tile_k_fn)(block_k *const *w, int64_t k, const quantized_x *xq, i
 ROWS4(TILE_A, 1, 0) ROWS4(TILE_A, 2, 0) ROWS4(TILE_A, 3, 0) ROWS4(TILE_A, 4, 0)
 ROWS4(TILE_A, 1, 1) ROWS4(TILE_A, 2, 1) ROWS4(TILE_A, 3, 1) ROWS4(TILE_A, 4, 1)
 ROWS4(TILE_K, 1, 1) ROWS4(TILE_K, 2, 1) ROWS4(TILE_K, 1, 2) ROWS4(TILE_K, 2, 2)
-#define TILE_K4(M, X) static void tile_k4_##M##_##X(block_k *const *w, int64_t k, const quantized_x *xq, \
-    int64_t row, float *y, int64_t ldy) { tile_k4(M, X, w, k, xq, row, y, ldy); }
-TILE_K4(1, 1) TILE_K4(2, 1) TILE_K4(3, 1) TILE_K4(4, 1) TILE_K4(1, 2) TILE_K4(2, 2) TILE_K4(3, 2) TILE_K4(4, 2)
+#define TILE_KT(M, N, X) static void tile_kt_##M##_##N##_##X(block_k *const *w, int64_t k, const quantized_x *xq, \
+    int64_t row, float *y, int64_t ldy) { tile_kt(M, N, X, w, k, xq, row, y, ldy); }
+ROWS4(TILE_KT, 1, 1) ROWS4(TILE_KT, 2, 1) ROWS4(TILE_KT, 3, 1) ROWS4(TILE_KT, 4, 1)
+ROWS4(TILE_KT, 1, 2) ROWS4(TILE_KT, 2, 2) ROWS4(TILE_KT, 3, 2) ROWS4(TILE_KT, 4, 2)
 #define COL4(P, N, X) {P##_1_##N##_##X, P##_2_##N##_##X, P##_3_##N##_##X, P##_4_##N##_##X}
 
-/* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row). */
+/* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row).
+ * transposed: K-quant super-blocks come transposed (transpose_k), for tile_kt; else for tile_k. */
 static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
-                      int64_t a, int64_t b, float *y, int64_t ldy) {
+                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed) {
     static const tile_a_fn ta[2][4][4] = {{COL4(tile_a, 1, 0), COL4(tile_a, 2, 0), COL4(tile_a, 3, 0), COL4(tile_a, 4, 0)},
                                           {COL4(tile_a, 1, 1), COL4(tile_a, 2, 1), COL4(tile_a, 3, 1), COL4(tile_a, 4, 1)}};
     static const tile_k_fn tk[2][2][4] = {{COL4(tile_k, 1, 1), COL4(tile_k, 2, 1)}, {COL4(tile_k, 1, 2), COL4(tile_k, 2, 2)}};
-    static const tile_k_fn tk4[2][4] = {{tile_k4_1_1, tile_k4_2_1, tile_k4_3_1, tile_k4_4_1},
-                                        {tile_k4_1_2, tile_k4_2_2, tile_k4_3_2, tile_k4_4_2}};
+    static const tile_k_fn tkt[2][4][4] = {{COL4(tile_kt, 1, 1), COL4(tile_kt, 2, 1), COL4(tile_kt, 3, 1), COL4(tile_kt, 4, 1)},
+                                           {COL4(tile_kt, 1, 2), COL4(tile_kt, 2, 2), COL4(tile_kt, 3, 2), COL4(tile_kt, 4, 2)}};
     for (int64_t i = a; i < b; i += 4) {
         const int rm = b - i < 4 ? (int)(b - i) : 4;
         for (int j = 0; j < nr;) {
-            const int rn = !is_k_quant(t) || nr - j >= 4 ? 4 : 2, cols = nr - j < rn ? nr - j : rn;
-            if (is_k_quant(t) && cols == 4)
-                tk4[has_min_k(t)][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
+            const int rn = is_k_quant(t) && !transposed ? 2 : 4, cols = nr - j < rn ? nr - j : rn;
+            if (is_k_quant(t) && transposed)
+                tkt[has_min_k(t)][cols - 1][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
             else if (is_k_quant(t))
                 tk[has_min_k(t)][cols - 1][rm - 1](wk + j, k, xq, i, y + i * ldy + j, ldy);
             else
@@ -2060,7 +2089,8 @@ static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, i
 #else
 
 static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
-                      int64_t a, int64_t b, float *y, int64_t ldy) {
+                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed) {
+    (void)transposed;
     for (int64_t i = a; i < b; i++)
         for (int j = 0; j < nr; j++)
             y[i * ldy + j] = is_k_quant(t) ? dot_k(wk[j], xq, i, k) : dot_a(t, &wa[j].a, xq, i, k);
@@ -2358,6 +2388,8 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
 #endif
     /* AVX-512's 32-block kernel takes q + 128 (dpbusd multiplies unsigned by signed bytes) */
     const int natural = ARCH == 2 && !kq ? 2 : 1;
+    /* AVX-512 without AMX: K-quant super-blocks transposed, for tile_kt */
+    const int transposed = ARCH == 2 && kq && !amx;
     quantized_x xq = alloc_x(t, m, k, qb, 1);
     /* AMX: the first packed block of each group, and room for them all */
     int64_t *first = amx ? malloc((size_t)(count + 1) * sizeof(int64_t)) : NULL;
@@ -2405,12 +2437,14 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             wa[j].a.dm = wa[j].a.dw + xq.nb;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
+        for (int64_t i = 0; i < m; i++) {
 #if ARCH == 2
             quantize_row_natural(x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
+            for (int64_t b = 0; transposed && b < k / QK; b++) transpose_k((uint8_t *)xq.q + i * xq.kq + QK * b);
 #else
             quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
 #endif
+        }
 #ifdef HAVE_AMX
         if (amx) {
 #pragma omp for schedule(static)
@@ -2429,7 +2463,12 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
             const int64_t *group = groups + 3 * (item / tiles);
             const int64_t r0 = item % tiles * MANY_TILE;
             const int nr = (int)(n - r0 < MANY_TILE ? n - r0 : MANY_TILE);
-            for (int j = 0; j < nr; j++) unpack_tile_row(t, weight_row(&wr, group[0], r0 + j), k, wa, wk, j);
+            for (int j = 0; j < nr; j++) {
+                unpack_tile_row(t, weight_row(&wr, group[0], r0 + j), k, wa, wk, j);
+#if ARCH == 2
+                for (int64_t b = 0; transposed && b < k / QK; b++) transpose_k(wk[j][b].u);
+#endif
+            }
 #ifdef HAVE_AMX
             if (amx && amx_group(group)) {
                 const amx_tile at = amx_tile_at(buffer + MANY_TILE * row_stride, k);
@@ -2445,7 +2484,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
                 continue;
             }
 #endif
-            many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy);
+            many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy, transposed);
         }
 #ifdef HAVE_AMX
         if (amx) _tile_release();
