@@ -1812,6 +1812,34 @@ int raymoe_blocks_many_rows(void *sgemm, int t, const float *x, int64_t m, int64
 
 #define MANY_TILE 16
 
+/* A tile row of a 32-block type without mins, transposed for tile_at (AVX-512): blocks go 16 to a
+ * chunk of eight 64-byte registers, block l's bytes 4 r .. 4 r + 3 in register r, lane l. Then lane l
+ * of the registers' dpbusd products sums block l alone, with no horizontal sums. */
+typedef struct tile_row_t {
+    int8_t *s;      /* [chunks * 512]: the signed weights u - off (zero past the row's blocks) */
+    int32_t *corr;  /* [chunks * 16]: -128 times the sum of each block's signed weights (zero past them) */
+} tile_row_t;
+
+static int transposed_on = 1; /* set by raymoe_blocks_set_transposed */
+
+/* Whether AVX-512 many-row products (without AMX) take the transposed tiles (tile_kt, tile_at: on,
+ * the default) or the register tiles (tile_k, tile_a): the same bits, and tests compare them.
+ * Returns the setting before. */
+int raymoe_blocks_set_transposed(int on) {
+    const int was = transposed_on;
+    transposed_on = on;
+    return was;
+}
+
+/* A thread's tile of 32-block weight rows transposed for tile_at, and the activations likewise. */
+typedef struct {
+    const tile_row_t *rows;         /* [MANY_TILE] */
+    const float *wv;                /* [MANY_TILE / 4][blocks][16] */
+    int64_t blocks;
+    const uint8_t *qt;              /* [m][ldq] */
+    int64_t ldq;
+} transposed_a;
+
 /* A tile row of a 32-block type: row_a, plus on AVX-512 the signed weights u - off and, per int32
  * lane of a 64-byte register (8 lanes per block), -128 times the sum of the block's signed weights
  * (first lane only): the VNNI kernel's activations come as q + 128. */
@@ -2045,6 +2073,88 @@ INLINE void tile_kt(int RM, int RN, int kind, block_k *const *w, int64_t k, cons
         for (int j = 0; j < RN; j++) y[i * ldy + j] = kind == 2 ? out[4 * i + j] - outm[4 * i + j] : out[4 * i + j];
 }
 
+/* 16 blocks of 32 bytes at p (fewer at the end: count) as a transposed chunk at out (512 bytes). */
+static inline void transpose_blocks(const uint8_t *p, int count, uint8_t *out) {
+    for (int l = 0; l < count; l++)
+        for (int r = 0; r < 8; r++) memcpy(out + 64 * r + 4 * l, p + 32 * l + 4 * r, 4);
+}
+
+/* The 16 x 16 matrix of rows v[0..15] transposed in place. */
+static inline void transpose16(__m512 *v) {
+    __m512 a[16], b[16];
+    for (int p = 0; p < 8; p++) {
+        a[2 * p] = _mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]);
+        a[2 * p + 1] = _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]);
+    }
+    for (int p = 0; p < 4; p++)
+        for (int h = 0; h < 2; h++) {
+            b[4 * p + h] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[4 * p + h]), _mm512_castps_pd(a[4 * p + 2 + h])));
+            b[4 * p + 2 + h] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[4 * p + h]), _mm512_castps_pd(a[4 * p + 2 + h])));
+        }
+    /* b[4 p + q] holds, per 128-bit part x, elements 4 x .. 4 x + 3 of column q of rows 4 p .. 4 p + 3
+     * (q = 0, 2, 1, 3 for b's order 0, 1, 2, 3) */
+    for (int q = 0; q < 4; q++) {
+        const int at = q == 1 ? 2 : q == 2 ? 1 : q;
+        const __m512 r01a = _mm512_shuffle_f32x4(b[at], b[4 + at], 0x44), r01b = _mm512_shuffle_f32x4(b[at], b[4 + at], 0xee);
+        const __m512 r23a = _mm512_shuffle_f32x4(b[8 + at], b[12 + at], 0x44), r23b = _mm512_shuffle_f32x4(b[8 + at], b[12 + at], 0xee);
+        v[q] = _mm512_shuffle_f32x4(r01a, r23a, 0x88);
+        v[4 + q] = _mm512_shuffle_f32x4(r01a, r23a, 0xdd);
+        v[8 + q] = _mm512_shuffle_f32x4(r01b, r23b, 0x88);
+        v[12 + q] = _mm512_shuffle_f32x4(r01b, r23b, 0xdd);
+    }
+}
+
+/* y[i * ldy + j] = x[row + i] . w[j], i < RM, j < RN, for 32-block weights without mins, both
+ * transposed (tile_row_t; qt: the activations q + 128, [rows][ldq]). Per chunk, lane l of pair (i,
+ * j)'s dpbusd sums is block l's exact integer sum S; the 16 pairs' sums, transposed, give one
+ * register per block, and acc = fma(S, dx dw, acc) block after block: tile_a's operations in its
+ * order, so the same bits. wv: [blocks][16], dw of row j at 16 b + 4 i + j. */
+INLINE void tile_at(int RM, int RN, const tile_row_t *w, const float *wv, int64_t blocks, const uint8_t *qt,
+                    int64_t ldq, const float *d, int64_t ldd, int64_t row, float *y, int64_t ldy) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 16, 16, 16, 16, 0, 0, 0, 0, 16, 16, 16, 16);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; 16 * c < blocks; c++) {
+        __m512i s[16];
+        for (int p = 0; p < 16; p++) s[p] = _mm512_setzero_si512();
+        for (int j = 0; j < RN; j++) {
+            const __m512i corr = _mm512_load_si512(w[j].corr + 16 * c);
+            for (int i = 0; i < RM; i++) s[4 * i + j] = corr;
+        }
+        for (int r = 0; r < 8; r++) {
+            __m512i u[4];
+            for (int j = 0; j < RN; j++) u[j] = _mm512_load_si512(w[j].s + 512 * c + 64 * r);
+            for (int i = 0; i < RM; i++) {
+                const __m512i q = _mm512_load_si512(qt + (row + i) * ldq + 512 * c + 64 * r);
+                for (int j = 0; j < RN; j++) s[4 * i + j] = _mm512_dpbusd_epi32(s[4 * i + j], q, u[j]);
+            }
+        }
+        __m512 f[16];
+        for (int p = 0; p < 16; p++) f[p] = _mm512_cvtepi32_ps(s[p]);
+        transpose16(f);
+        const int count = blocks - 16 * c < 16 ? (int)(blocks - 16 * c) : 16;
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        __m512 dx[4];
+        for (int i = 0; i < 4; i++)
+            dx[i] = i < RM ? _mm512_maskz_loadu_ps(valid, d + (row + i) * ldd + 16 * c) : _mm512_setzero_ps();
+        for (int l = 0; l < count; l++) {
+            const __m512i at = _mm512_add_epi32(spread, _mm512_set1_epi32(l));
+            const __m512 x = _mm512_mask_blend_ps(0xff00, _mm512_permutex2var_ps(dx[0], at, dx[1]),
+                                                  _mm512_permutex2var_ps(dx[2], at, dx[3]));
+            acc = _mm512_fmadd_ps(f[l], _mm512_mul_ps(x, _mm512_load_ps(wv + 16 * (16 * c + l))), acc);
+        }
+    }
+    float out[16] __attribute__((aligned(64)));
+    _mm512_store_ps(out, acc);
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) y[i * ldy + j] = out[4 * i + j];
+}
+
+typedef void (*tile_at_fn)(const tile_row_t *w, const float *wv, int64_t blocks, const uint8_t *qt, int64_t ldq,
+                           const float *d, int64_t ldd, int64_t row, float *y, int64_t ldy);
+#define TILE_AT(M, N, X) static void tile_at_##M##_##N##_##X(const tile_row_t *w, const float *wv, int64_t blocks, \
+    const uint8_t *qt, int64_t ldq, const float *d, int64_t ldd, int64_t row, float *y, int64_t ldy) { \
+    tile_at(M, N, w, wv, blocks, qt, ldq, d, ldd, row, y, ldy); }
+
 typedef void (*tile_a_fn)(const tile_row_a *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
 typedef void (*tile_k_fn)(block_k *const *w, int64_t k, const quantized_x *xq, int64_t row, float *y, int64_t ldy);
 
@@ -2058,6 +2168,7 @@ ROWS4(TILE_A, 1, 1) ROWS4(TILE_A, 2, 1) ROWS4(TILE_A, 3, 1) ROWS4(TILE_A, 4, 1)
 ROWS4(TILE_K, 1, 1) ROWS4(TILE_K, 2, 1) ROWS4(TILE_K, 1, 2) ROWS4(TILE_K, 2, 2)
 #define TILE_KT(M, N, X) static void tile_kt_##M##_##N##_##X(block_k *const *w, int64_t k, const quantized_x *xq, \
     int64_t row, float *y, int64_t ldy) { tile_kt(M, N, X, w, k, xq, row, y, ldy); }
+ROWS4(TILE_AT, 1, 0) ROWS4(TILE_AT, 2, 0) ROWS4(TILE_AT, 3, 0) ROWS4(TILE_AT, 4, 0)
 ROWS4(TILE_KT, 1, 1) ROWS4(TILE_KT, 2, 1) ROWS4(TILE_KT, 3, 1) ROWS4(TILE_KT, 4, 1)
 ROWS4(TILE_KT, 1, 2) ROWS4(TILE_KT, 2, 2) ROWS4(TILE_KT, 3, 2) ROWS4(TILE_KT, 4, 2)
 #define COL4(P, N, X) {P##_1_##N##_##X, P##_2_##N##_##X, P##_3_##N##_##X, P##_4_##N##_##X}
@@ -2065,7 +2176,17 @@ ROWS4(TILE_KT, 1, 2) ROWS4(TILE_KT, 2, 2) ROWS4(TILE_KT, 3, 2) ROWS4(TILE_KT, 4,
 /* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row).
  * transposed: K-quant super-blocks come transposed (transpose_k), for tile_kt; else for tile_k. */
 static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
-                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed) {
+                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed, const transposed_a *ta32) {
+    if (ta32) {
+        static const tile_at_fn tat[4][4] = {COL4(tile_at, 1, 0), COL4(tile_at, 2, 0), COL4(tile_at, 3, 0), COL4(tile_at, 4, 0)};
+        for (int64_t i = a; i < b; i += 4) {
+            const int rm = b - i < 4 ? (int)(b - i) : 4;
+            for (int j = 0; j < nr; j += 4)
+                tat[(nr - j < 4 ? nr - j : 4) - 1][rm - 1](ta32->rows + j, ta32->wv + (j / 4) * ta32->blocks * 16, ta32->blocks,
+                                                          ta32->qt, ta32->ldq, xq->d, xq->nb, i, y + i * ldy + j, ldy);
+        }
+        return;
+    }
     static const tile_a_fn ta[2][4][4] = {{COL4(tile_a, 1, 0), COL4(tile_a, 2, 0), COL4(tile_a, 3, 0), COL4(tile_a, 4, 0)},
                                           {COL4(tile_a, 1, 1), COL4(tile_a, 2, 1), COL4(tile_a, 3, 1), COL4(tile_a, 4, 1)}};
     static const tile_k_fn tk[2][2][4] = {{COL4(tile_k, 1, 1), COL4(tile_k, 2, 1)}, {COL4(tile_k, 1, 2), COL4(tile_k, 2, 2)}};
@@ -2089,8 +2210,9 @@ static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, i
 #else
 
 static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
-                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed) {
+                      int64_t a, int64_t b, float *y, int64_t ldy, int transposed, const transposed_a *ta32) {
     (void)transposed;
+    (void)ta32;
     for (int64_t i = a; i < b; i++)
         for (int j = 0; j < nr; j++)
             y[i * ldy + j] = is_k_quant(t) ? dot_k(wk[j], xq, i, k) : dot_a(t, &wa[j].a, xq, i, k);
@@ -2389,8 +2511,12 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
     /* AVX-512's 32-block kernel takes q + 128 (dpbusd multiplies unsigned by signed bytes) */
     const int natural = ARCH == 2 && !kq ? 2 : 1;
     /* AVX-512 without AMX: K-quant super-blocks transposed, for tile_kt */
-    const int transposed = ARCH == 2 && kq && !amx;
+    const int transposed = ARCH == 2 && kq && !amx && transposed_on;
+    /* and 32-block types without mins: blocks transposed 16 to a chunk, for tile_at */
+    const int64_t blocks = k / 32, chunks = (blocks + 15) / 16, ldq = 512 * chunks;
+    const int transposed32 = ARCH == 2 && !kq && !amx && !has_min_a(t) && transposed_on;
     quantized_x xq = alloc_x(t, m, k, qb, 1);
+    uint8_t *qt = transposed32 ? alloc64((size_t)(m * ldq)) : NULL;
     /* AMX: the first packed block of each group, and room for them all */
     int64_t *first = amx ? malloc((size_t)(count + 1) * sizeof(int64_t)) : NULL;
     uint8_t *packed = NULL;
@@ -2402,8 +2528,9 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
         packed = alloc64((size_t)first[count] * pack_size + 64);
     }
 #endif
-    if (!x_allocated(&xq) || (amx && !packed)) {
+    if (!x_allocated(&xq) || (amx && !packed) || (transposed32 && !qt)) {
         free_x(&xq);
+        free(qt);
         free(first);
         free(packed);
         return -1;
@@ -2425,6 +2552,19 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
         }
 #endif
         uint8_t *buffer = zalloc64(MANY_TILE * row_stride + extra);
+        /* the transposed rows: each row's weights and corrections, then wv; zero past the blocks */
+        const size_t t_row = (size_t)chunks * (512 + 64);
+        uint8_t *tbuffer = transposed32 ? zalloc64(MANY_TILE * t_row + (size_t)(MANY_TILE / 4) * blocks * 64) : NULL;
+        tile_row_t trows[MANY_TILE];
+        transposed_a ta32 = {trows, tbuffer ? (const float *)(tbuffer + MANY_TILE * t_row) : NULL, blocks, qt, ldq};
+        for (int j = 0; tbuffer && j < MANY_TILE; j++) {
+            trows[j].s = (int8_t *)(tbuffer + j * t_row);
+            trows[j].corr = (int32_t *)(tbuffer + j * t_row + 512 * chunks);
+        }
+        if (transposed32 && !tbuffer) {
+            free(buffer);
+            buffer = NULL;
+        }
         tile_row_a wa[MANY_TILE];
         block_k *wk[MANY_TILE];
         for (int j = 0; buffer && j < MANY_TILE; j++) {
@@ -2441,6 +2581,9 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
 #if ARCH == 2
             quantize_row_natural(x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
             for (int64_t b = 0; transposed && b < k / QK; b++) transpose_k((uint8_t *)xq.q + i * xq.kq + QK * b);
+            for (int64_t c = 0; transposed32 && c < chunks; c++)
+                transpose_blocks((const uint8_t *)xq.q + i * xq.kq + 512 * c, blocks - 16 * c < 16 ? (int)(blocks - 16 * c) : 16,
+                                 qt + i * ldq + 512 * c);
 #else
             quantize_row(t, x + i * ldx, k, qb, kq ? 0 : offset_a(t), &xq, i, natural);
 #endif
@@ -2467,6 +2610,16 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
                 unpack_tile_row(t, weight_row(&wr, group[0], r0 + j), k, wa, wk, j);
 #if ARCH == 2
                 for (int64_t b = 0; transposed && b < k / QK; b++) transpose_k(wk[j][b].u);
+                if (transposed32) {
+                    for (int64_t c = 0; c < chunks; c++)
+                        transpose_blocks((const uint8_t *)wa[j].s + 512 * c, blocks - 16 * c < 16 ? (int)(blocks - 16 * c) : 16,
+                                         (uint8_t *)trows[j].s + 512 * c);
+                    float *wv = (float *)ta32.wv + (j / 4) * blocks * 16;
+                    for (int64_t b = 0; b < blocks; b++) {
+                        trows[j].corr[b] = wa[j].wcorr[8 * b];
+                        for (int i = 0; i < 4; i++) wv[16 * b + 4 * i + j % 4] = wa[j].a.dw[b];
+                    }
+                }
 #endif
             }
 #ifdef HAVE_AMX
@@ -2484,14 +2637,16 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
                 continue;
             }
 #endif
-            many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy, transposed);
+            many_fast(t, wa, wk, nr, k, &xq, group[1], group[2], y + r0, ldy, transposed, transposed32 ? &ta32 : NULL);
         }
 #ifdef HAVE_AMX
         if (amx) _tile_release();
 #endif
         free(buffer);
+        free(tbuffer);
     }
     free_x(&xq);
+    free(qt);
     free(first);
     free(packed);
     return failed ? -1 : 0;
