@@ -13,6 +13,7 @@ import time
 import ray
 import torch
 
+from kernels.allocator import keep_freed_memory
 from kernels.threads import loading_threads, node_cores, release_openmp_workers, share_of_cores
 from kernels.weights import rows_computed_alone
 from stages.errors import RaymoeError
@@ -71,6 +72,8 @@ class ExpertActor:
             spec = model.family.moe_spec(model.config)
             self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
             w.finish()
+        if self.device.type == "cpu":
+            keep_freed_memory()
 
     @torch.inference_mode()
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor):

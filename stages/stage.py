@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels import gpu_ops
+from kernels.allocator import keep_freed_memory
 from kernels.linear import linear, lookup_rows
 from kernels.norms import rms_norm
 from kernels.threads import loading_threads, torch_threads_for
@@ -103,6 +104,8 @@ class Stage:
                 self.norm = w("output_norm.weight")
                 self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
             w.finish()
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.caches: dict[int, dict] = {}
         self.peak_cache_bytes = 0
         self.prefix = PrefixStore()       # its layers' share of the prefix cache
