@@ -2174,7 +2174,8 @@ ROWS4(TILE_KT, 1, 2) ROWS4(TILE_KT, 2, 2) ROWS4(TILE_KT, 3, 2) ROWS4(TILE_KT, 4,
 #define COL4(P, N, X) {P##_1_##N##_##X, P##_2_##N##_##X, P##_3_##N##_##X, P##_4_##N##_##X}
 
 /* Rows a..b of the activations times the nr tile rows, into y (column 0 = the tile's first row).
- * transposed: K-quant super-blocks come transposed (transpose_k), for tile_kt; else for tile_k. */
+ * transposed: K-quant super-blocks come transposed (transpose_k), for tile_kt; else for tile_k. ta32:
+ * 32-block rows and activations transposed 16 blocks to a chunk, for tile_at; else tile_a. */
 static void many_fast(int t, const tile_row_a *wa, block_k *const *wk, int nr, int64_t k, const quantized_x *xq,
                       int64_t a, int64_t b, float *y, int64_t ldy, int transposed, const transposed_a *ta32) {
     if (ta32) {
