@@ -3,7 +3,7 @@
 By default glibc serves a block past its dynamic mmap threshold with a fresh mapping, and gives the heap's free top
 back to the kernel once it passes twice that threshold. A prefill step allocates and frees tens to hundreds of MB
 (activations, attention scores, products' outputs), so every step had the kernel map, fault in, zero and unmap them
-page by page: on a 2-core host, a third of a 512-token prefill of gpt-oss-20b (docs/perf-log.md). Fixed thresholds
+page by page: on a 2-core host, about 30% of a 512-token prefill of gpt-oss-20b (docs/perf-log.md). Fixed thresholds
 keep blocks up to 32 MB (glibc's ceiling for the threshold) in the heap and up to 256 MB of its free top, enough
 for a 512-token step; the process keeps that much more memory between steps.
 """

@@ -386,12 +386,13 @@ def test_amx_gives_the_same_bits_as_vnni(t):
 
 
 @pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
-def test_transposed_tiles_give_the_register_tiles_bits(variant, t):
+def test_transposed_tiles_give_the_register_tiles_bits(t):
     """On AVX-512, many-row products take K-quant super-blocks and 32-blocks (but those with mins)
     transposed, so that each dpbusd lane sums one part (tile_kt, tile_at); the register tiles
     (tile_k, tile_a) remain for AMX hosts. Both, bit for bit: 32-blocks past one chunk of 16 and
     short of the next (23), K-quants over 3 super-blocks, 21 weight rows (tiles of 4 and a tail),
-    groups past whole tiles of 4 rows, 1 and 2 threads."""
+    groups past whole tiles of 4 rows, 1 and 2 threads. The native build: only AVX-512 has both."""
+    lib = blocks.library()
     m, n, k = 43, 21, 23 * 32 if block_elems(t) == 32 else 3 * 256
     rng = np.random.default_rng(8000 + int(t))
     raw = torch.stack([random_raw(rng, t, n, k) for _ in range(2)])
@@ -400,14 +401,14 @@ def test_transposed_tiles_give_the_register_tiles_bits(variant, t):
     threads, results = torch.get_num_threads(), []
     try:
         for on, count in ((False, 2), (True, 1), (True, 2)):
-            variant.raymoe_blocks_set_transposed(int(on))
+            lib.raymoe_blocks_set_transposed(int(on))
             torch.set_num_threads(count)
             out = torch.full((m, n), float("nan"))
             blocks.grouped_many_rows(x, raw, t, k, groups, out)
             assert not out.isnan().any()
             results.append(out.view(torch.int32))
     finally:
-        variant.raymoe_blocks_set_transposed(1)
+        lib.raymoe_blocks_set_transposed(1)
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
