@@ -133,7 +133,10 @@ def check_raw(raw: torch.Tensor, dims: int, expected_row_bytes: int, what: str) 
 
 
 def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
-    check_raw(raw, dims, row_bytes(ggml_type, k), f"{T(ggml_type).name} with k={k}")
+    # the check inline, the message only on failure: this runs several times per decode product
+    if (raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous()
+            or raw.shape[-1] != row_bytes(ggml_type, k)):
+        check_raw(raw, dims, row_bytes(ggml_type, k), f"{T(ggml_type).name} with k={k}")
 
 
 def _check_rows(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
@@ -334,8 +337,15 @@ def _second(raw2: torch.Tensor | None, raw: torch.Tensor) -> tuple[int | None, i
 
 def _table(groups: list[tuple[int, int, int]]):
     """(g, a, b) triples as the flat int64 array the library takes (a ctypes array: a tenth of
-    torch.tensor's cost per call)."""
+    torch.tensor's cost per call; one group's, as a decode product's, made once: the library only reads it)."""
+    if len(groups) == 1:
+        return _one_group(*groups[0])
     return (ctypes.c_int64 * (3 * len(groups)))(*(v for group in groups for v in group))
+
+
+@lru_cache(maxsize=4096)
+def _one_group(g: int, a: int, b: int):
+    return (ctypes.c_int64 * 3)(g, a, b)
 
 
 def _check_groups(x, raw, ggml_type, k, groups, out, raw2=None) -> list[tuple[int, int, int]]:
