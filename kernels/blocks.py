@@ -12,8 +12,8 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
     moe_token           one token's MoE layer after its router, in one call (ops.moe_token): the
                         experts' gate/up products, their activation, down products and that sum
 
-The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI,
-AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
+The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI and
+VBMI, AVX2 or portable C), or for $RAYMOE_MARCH. Where the CPU and kernel allow AMX (and not
 RAYMOE_AMX=0), many-row groups of 32 rows or more multiply on AMX int8 tiles, with the same bits
 as the VNNI kernels. Results depend neither on the thread count nor on the other rows in a call.
 """

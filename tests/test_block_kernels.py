@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from kernels import blocks
+from kernels import blocks, native
 
 if blocks.library() is None:
     pytest.skip("no C compiler: the block kernels are unavailable", allow_module_level=True)
@@ -45,8 +45,17 @@ def variant(request, monkeypatch):
 def test_native_build_uses_vnni_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         flags = f.read()
-    expected = 2 if "avx512_vnni" in flags and "avx512bw" in flags else 1 if "avx2" in flags else 0
+    expected = 2 if {"avx512_vnni", "avx512bw", "avx512vbmi"} <= set(flags.split()) else 1 if "avx2" in flags else 0
     assert blocks.library().raymoe_blocks_arch() == expected
+
+
+def test_avx512_without_vbmi_builds_the_avx2_kernels():
+    """Cascade Lake has AVX-512 VNNI but not VBMI (byte permutes), which the AVX-512 code needs: its build
+    takes the AVX2 code rather than failing (which left no block kernels at all)."""
+    if not {"avx2", "fma", "f16c"} <= set(open("/proc/cpuinfo").read().split()):
+        pytest.skip("the AVX2 build runs on an AVX2 CPU")
+    lib = blocks.load("cascadelake")
+    assert lib is not None and lib.raymoe_blocks_arch() == 1
 
 
 def block_elems(t) -> int:
@@ -411,6 +420,35 @@ def test_transposed_tiles_give_the_register_tiles_bits(t):
         lib.raymoe_blocks_set_transposed(1)
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_gfni_unpack_gives_the_shift_and_mask_bits():
+    """On AVX-512 with GFNI, a Q3_K super-block's bytes for the few-row kernel come from bit-matrix products
+    (gf2p8affine); a build without GFNI takes them by shifts and masked adds.
+    The same bytes, so the same bits: 1-5 activation rows, 2 and 3 super-blocks, one and several weights."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read().split()
+    if "gfni" not in flags or blocks.library().raymoe_blocks_arch() != 2:
+        pytest.skip("the GFNI path needs an AVX-512 VNNI CPU with GFNI")
+    plain = native.load_source(blocks.SOURCE, None, (*blocks.EXTRA_FLAGS, "-mno-gfni"))
+    assert plain is not None and plain.raymoe_blocks_arch() == 2
+    plain.raymoe_blocks_grouped.argtypes = blocks.library().raymoe_blocks_grouped.argtypes
+    plain.raymoe_blocks_grouped.restype = ctypes.c_int
+    rng = np.random.default_rng(9000)
+    for k in (512, 768):
+        raw = torch.stack([random_raw(rng, T.Q3_K, 19, k) for _ in range(3)])
+        for m in range(1, 6):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            groups = [(2, 0, m)] if m < 3 else [(2, 0, 1), (0, 1, m)]
+            outs = []
+            for lib in (blocks.library(), plain):
+                out = torch.full((m, 19), float("nan"))
+                lib.raymoe_blocks_grouped(int(T.Q3_K), 1, x.data_ptr(), m, x.stride(0), raw.data_ptr(),
+                                          raw.stride(0), None, 0, 19, blocks._table(groups), len(groups), 19, k,
+                                          out.data_ptr(), out.stride(0))
+                assert not out.isnan().any()
+                outs.append(out.view(torch.int32))
+            assert torch.equal(outs[0], outs[1])
 
 
 def test_strided_rows():

@@ -22,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+/* AVX-512 also needs VBMI (byte permutes): without it (Cascade Lake) the AVX2 code builds */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
 #define ARCH 2
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -32,7 +34,7 @@
 #define ARCH 0
 #endif
 
-/* 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable C: which code paths this build uses. */
+/* 2 = AVX-512 VNNI and VBMI, 1 = AVX2, 0 = portable C: which code paths this build uses. */
 int raymoe_blocks_arch(void) { return ARCH; }
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
