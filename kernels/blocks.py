@@ -184,6 +184,34 @@ def grouped_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, 
                                          _table(groups), len(groups), out.shape[1], k, out.data_ptr(), out.stride(0)))
 
 
+class RowProduct:
+    """grouped_product's call for one activation row through raw (| raw2's rows after raw's), its weight
+    arguments checked and converted once: a decode step makes hundreds of these products, and per call the
+    checks and conversions cost about what a small product's work does. Call it with x [1, k] float32 whose
+    last dimension is contiguous (`takes`), and out [1, N + N2] likewise (or None: a new one): the same call,
+    so the same bits."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool,
+                 raw2: torch.Tensor | None = None):
+        self.k, self.n = k, raw.shape[-2] + (0 if raw2 is None else raw2.shape[-2])
+        _check_groups(torch.empty(1, k), raw, ggml_type, k, [(0, 0, 1)], torch.empty(1, self.n), raw2)
+        self.head = (int(ggml_type), 1 if quantize_activations else 0)
+        self.weight = (raw.data_ptr(), raw.stride(0), *_second(raw2, raw), _one_group(0, 0, 1), 1, self.n, k)
+        self.tensors = (raw, raw2)          # the bytes the pointers above point into stay alive
+        self.call = _lib().raymoe_blocks_grouped
+
+    def takes(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        return (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == self.k
+                and x.stride(1) == 1 and (out is None or (out.dtype == torch.float32 and out.is_cpu and out.dim() == 2
+                                                          and out.shape == (1, self.n) and out.stride(1) == 1)))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = x.new_empty(1, self.n)
+        _status(self.call(*self.head, x.data_ptr(), 1, x.stride(0), *self.weight, out.data_ptr(), out.stride(0)))
+        return out
+
+
 def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, experts: list[int], out: torch.Tensor,
                  quantize_activations: bool, raw2: torch.Tensor | None = None) -> None:
     """out[s] = x_s @ deq(raw[experts[s]] | raw2[experts[s]]).T for each slot s: a decode step's (token,

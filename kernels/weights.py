@@ -99,6 +99,7 @@ class BlockWeight:
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, k: int, quantize_activations: bool, split: bool = False):
         self.raw, self.type, self.k, self.split = raw, int(ggml_type), k, split
+        self._row = None        # the one-row product's call (blocks.RowProduct), made on first use
         self.quantize_activations = quantize_activations and self.type not in UNQUANTISED
         # the type the kernels take for these bytes: a split weight's (kernels/triton/blocks.py, GPU only) differs
         self.kernel_type = self.type
@@ -142,6 +143,10 @@ class BlockWeight:
         return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.raw.is_cpu and not torch.compiler.is_compiling():   # eager decode (see product)
+            row = self._row_product(None)
+            if row is not None and row.takes(x, out):
+                return row(x, out)
         return self._product(x, self.raw, [(0, 0, x.shape[0])], out)
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
@@ -150,7 +155,21 @@ class BlockWeight:
         return self._product(x, self.raw, groups, out, None if second is None else second.raw)
 
     def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 1 and self.raw.is_cpu and not torch.compiler.is_compiling():   # eager decode
+            row = self._row_product(raw2)
+            if row is not None and row.takes(x):
+                return row(x)
         return ops.block_linear(x, self.raw, raw2, self.kernel_type, self.k, self.quantize_activations)
+
+    def _row_product(self, raw2: torch.Tensor | None) -> "blocks.RowProduct | None":
+        """The one-row product with raw2's rows after these (the same raw2 each time: ConcatWeight's pair), made
+        on first use; None without the compiled library."""
+        row = self._row
+        if row is None or row.tensors[1] is not raw2:
+            if blocks.library() is None or self.raw.shape[-2] + (0 if raw2 is None else raw2.shape[-2]) == 0:
+                return None
+            row = self._row = blocks.RowProduct(self.raw, self.type, self.k, self.quantize_activations, raw2)
+        return row
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
         return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.kernel_type, self.k,

@@ -451,6 +451,30 @@ def test_gfni_unpack_gives_the_shift_and_mask_bits():
             assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("t", [T.Q3_K, T.Q4_K, T.Q8_0, T.MXFP4, T.F16], ids=lambda t: t.name)
+def test_one_row_call_gives_the_ops_bits(t):
+    """A decode step's one-row products through a block weight take a call whose weight arguments were made
+    once (blocks.RowProduct, from BlockWeight.product and .linear). The op's bits: a weight alone, a pair in
+    one call, a product into columns of a wider output; rows it does not take go the op's way."""
+    from kernels import ops
+    from kernels.weights import BlockWeight, ConcatWeight
+    rng = np.random.default_rng(9100 + int(t))
+    k = 512
+    a, b = (BlockWeight(random_raw(rng, t, n, k), t, k, True) for n in (24, 8))
+    x = torch.randn(1, k)
+    for w, raw2 in ((a, None), (ConcatWeight([a, b], 0), b.raw)):
+        want = ops.block_linear(x, a.raw, raw2, t, k, True).view(torch.int32)
+        assert torch.equal(w.product(x).view(torch.int32), want)
+    assert a._row is not None and a._row.tensors[1] is b.raw       # the pair's call was made and used
+    out = torch.full((1, 40), float("nan"))
+    a.linear(x, out[:, 8:32])
+    assert torch.equal(out[:, 8:32].view(torch.int32), ops.block_linear(x, a.raw, None, t, k, True).view(torch.int32))
+    assert out[:, :8].isnan().all() and out[:, 32:].isnan().all()
+    strided = torch.randn(1, 2 * k)[:, ::2]
+    assert not a._row.takes(strided)
+    assert torch.equal(a.product(strided), ops.block_linear(strided.contiguous(), a.raw, None, t, k, True))
+
+
 def test_strided_rows():
     """x and out with row strides larger than their rows (views into wider tensors)."""
     t, m, n, k = T.Q4_K, 5, 9, 512
