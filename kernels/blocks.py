@@ -294,39 +294,61 @@ def moe_token(x: torch.Tensor, experts: list[int], weights: torch.Tensor, gate_u
     [E, F, bytes] or None, type, quantize, bias [E, 2F] or None); down: (raw [E, H, bytes], type, quantize,
     bias [E, H] or None); activation: (kind, exp kind, alpha, limit) as blocks.c's raymoe_moe_activation takes them;
     shared_down: (raw [H, bytes], type, quantize) with shared_gate_up [1, 2S] and gate [1, 1], or all None."""
-    h, k = x.shape[-1], len(experts)
-    _check_rows(x, "x", 1, h)
-    raw, raw2, gate_up_type, gate_up_quantize, gate_up_bias = gate_up
-    gate_up_weight, rows = _moe_weight(raw, raw2, gate_up_type, h, gate_up_quantize, gate_up_bias, 3)
-    ff = rows // 2
-    if rows % 2 or not ff:
-        raise ValueError(f"gate/up has {rows} rows, not two halves")
-    down_raw, down_type, down_quantize, down_bias = down
-    down_weight, down_rows = _moe_weight(down_raw, None, down_type, ff, down_quantize, down_bias, 3)
-    if down_rows != h or down_raw.shape[0] != raw.shape[0]:
-        raise ValueError(f"down holds {down_raw.shape[0]} experts of {down_rows} rows for {raw.shape[0]} of {h}")
-    if not 0 < k <= 64 or weights.shape != (1, k) or weights.dtype != torch.float32:
-        raise ValueError(f"moe_token takes one token's 1-64 slots, got {k} experts, weights {tuple(weights.shape)}")
-    if min(experts) < 0 or max(experts) >= raw.shape[0]:
-        raise ValueError(f"expert ids {experts} out of range for {raw.shape[0]} weights")
-    if (shared_gate_up is None) != (shared_down is None) or (shared_gate_up is None) != (gate is None):
+    if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("the shared expert's gate/up, weight and gate come together")
-    sff, shared_weight = 0, None
-    if shared_gate_up is not None:
-        sff = shared_gate_up.shape[-1] // 2
-        _check_rows(shared_gate_up, "shared_gate_up", 1, 2 * sff)
-        shared_raw, shared_type, shared_quantize = shared_down
-        shared_weight, shared_rows = _moe_weight(shared_raw, None, shared_type, sff, shared_quantize, None, 2)
-        if shared_rows != h or gate.dtype != torch.float32 or gate.numel() != 1:
-            raise ValueError(f"the shared expert's down has {shared_rows} rows for {h}, gate {tuple(gate.shape)}")
-    table, weights = (ctypes.c_int64 * k)(*experts), weights.contiguous()
-    scratch, out = x.new_empty(k * (3 * ff + h) + sff + h), x.new_empty(1, h)
-    _status(_lib().raymoe_moe_token(x.data_ptr(), h, k, table, weights.data_ptr(), ctypes.byref(gate_up_weight), ff,
-                                    ctypes.byref(down_weight), *activation,
-                                    None if shared_gate_up is None else shared_gate_up.data_ptr(), sff,
-                                    None if shared_weight is None else ctypes.byref(shared_weight),
-                                    None if gate is None else gate.data_ptr(), scratch.data_ptr(), out.data_ptr()))
-    return out
+    sff = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // 2
+    return TokenMoE(x.shape[-1], gate_up, down, activation, shared_down, sff)(x, experts, weights, shared_gate_up,
+                                                                              gate)
+
+
+class TokenMoE:
+    """moe_token with its weights checked and described once (a decode step makes one call per MoE layer, and
+    building the descriptions cost about a tenth of the call): h, the hidden size; sff, the shared expert's
+    width (0 without one); the other arguments as moe_token's. Call it with (x, experts, weights,
+    shared_gate_up, gate) as moe_token takes them."""
+
+    def __init__(self, h: int, gate_up: tuple, down: tuple, activation: tuple[int, int, float, float],
+                 shared_down: tuple | None, sff: int):
+        raw, raw2, gate_up_type, gate_up_quantize, gate_up_bias = gate_up
+        self.gate_up, rows = _moe_weight(raw, raw2, gate_up_type, h, gate_up_quantize, gate_up_bias, 3)
+        self.h, self.ff, self.sff, self.experts = h, rows // 2, sff, raw.shape[0]
+        if rows % 2 or not self.ff:
+            raise ValueError(f"gate/up has {rows} rows, not two halves")
+        down_raw, down_type, down_quantize, down_bias = down
+        self.down, down_rows = _moe_weight(down_raw, None, down_type, self.ff, down_quantize, down_bias, 3)
+        if down_rows != h or down_raw.shape[0] != raw.shape[0]:
+            raise ValueError(f"down holds {down_raw.shape[0]} experts of {down_rows} rows for {raw.shape[0]} of {h}")
+        self.shared = None
+        if shared_down is not None:
+            shared_raw, shared_type, shared_quantize = shared_down
+            self.shared, shared_rows = _moe_weight(shared_raw, None, shared_type, sff, shared_quantize, None, 2)
+            if shared_rows != h:
+                raise ValueError(f"the shared expert's down has {shared_rows} rows for {h}")
+        self.activation = activation
+        self.tensors = (gate_up, down, shared_down)     # the bytes the descriptions point into stay alive
+
+    def __call__(self, x: torch.Tensor, experts: list[int], weights: torch.Tensor,
+                 shared_gate_up: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+        h, k, ff, sff = self.h, len(experts), self.ff, self.sff
+        _check_rows(x, "x", 1, h)
+        if not 0 < k <= 64 or weights.shape != (1, k) or weights.dtype != torch.float32:
+            raise ValueError(f"moe_token takes one token's 1-64 slots, got {k} experts, weights {tuple(weights.shape)}")
+        if min(experts) < 0 or max(experts) >= self.experts:
+            raise ValueError(f"expert ids {experts} out of range for {self.experts} weights")
+        if (shared_gate_up is None) != (self.shared is None) or (shared_gate_up is None) != (gate is None):
+            raise ValueError("the shared expert's gate/up, weight and gate come together")
+        if shared_gate_up is not None:
+            _check_rows(shared_gate_up, "shared_gate_up", 1, 2 * sff)
+            if gate.dtype != torch.float32 or gate.numel() != 1:
+                raise ValueError(f"the shared expert's gate must be one float32 value, got {tuple(gate.shape)}")
+        table, weights = (ctypes.c_int64 * k)(*experts), weights.contiguous()
+        scratch, out = x.new_empty(k * (3 * ff + h) + sff + h), x.new_empty(1, h)
+        _status(_lib().raymoe_moe_token(x.data_ptr(), h, k, table, weights.data_ptr(), ctypes.byref(self.gate_up), ff,
+                                        ctypes.byref(self.down), *self.activation,
+                                        None if shared_gate_up is None else shared_gate_up.data_ptr(), sff,
+                                        None if self.shared is None else ctypes.byref(self.shared),
+                                        None if gate is None else gate.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+        return out
 
 
 def activation_exp(activation, kind: int, alpha: float, limit: float) -> int | None:

@@ -269,7 +269,7 @@ class GatedDeltaNet:
             return out
         return gated_rms_norm(y, z.reshape(y.shape), self.norm, self.eps).reshape(y.shape[0], -1)
 
-    def decode(self, qkv, z, beta, alpha, rows: list[int], conv_states, states, out: torch.Tensor) -> None:
+    def decode(self, qkv, z, beta, alpha, rows: list[int] | range, conv_states, states, out: torch.Tensor) -> None:
         """One token of each of n sequences: row rows[i] of the projections qkv [*, C], z [*, H_v * dv],
         beta and alpha [*, H_v] is sequence i's; its caches, conv_states [n, K-1, C] and states
         [n, H_v, dk, dv] (contiguous), are updated in place. Writes out[rows] (the out
@@ -282,7 +282,7 @@ class GatedDeltaNet:
         if _compiled(*parts, conv_states, states, out, self.taps, self.a, self.dt_bias, self.norm) and \
                 _same_rows(parts) and out.stride(-1) == 1 and all(t.is_contiguous() for t in (
                     conv_states, states, self.taps, self.a, self.dt_bias, self.norm)):
-            index = torch.tensor(rows, dtype=torch.int64)
+            index = _first_rows(n) if rows == range(n) else torch.tensor(rows, dtype=torch.int64)
             failed = library().raymoe_dn_decode(
                 n, index.data_ptr(), *(t.data_ptr() for t in parts), qkv.stride(0), self.taps.data_ptr(),
                 K, conv_states.data_ptr(), states.data_ptr(), self.a.data_ptr(),
@@ -298,6 +298,10 @@ class GatedDeltaNet:
         """decode() of every row, returning the out projection's input [n, H_v * dv]: one custom op
         (raymoe::deltanet_decode: the compiled step on the CPU, Triton's on CUDA where kernels/gpu_ops.py
         turns the step on), else torch operations; torch.compile traces either without a break."""
+        if qkv.is_cpu and not torch.compiler.is_compiling():     # the op's CPU implementation, without its dispatch
+            out = qkv.new_empty(qkv.shape[0], self.n_v_heads * self.v_head_dim)
+            self.decode(qkv, z, beta, alpha, range(qkv.shape[0]), conv_states, states, out)
+            return out
         triton = use_triton("delta_step", qkv) and use_triton("conv1d", qkv) and \
             all(n & (n - 1) == 0 for n in (self.k_head_dim, self.v_head_dim))
         if qkv.is_cuda and not triton:
@@ -313,6 +317,12 @@ class GatedDeltaNet:
         q, k, v = self.heads(mixed[:, 0])
         y = delta_rule_step(q * self.k_head_dim ** -0.5, k, v.float(), g, beta, states)
         return self.output(y, z)
+
+
+@lru_cache(maxsize=64)
+def _first_rows(n: int) -> torch.Tensor:
+    """The row index 0..n-1 (the library only reads it): made once per batch size."""
+    return torch.arange(n, dtype=torch.int64)
 
 
 def _same_rows(parts) -> bool:

@@ -306,7 +306,7 @@ def deltanet_decode(qkv: Tensor, z: Tensor, beta: Tensor, alpha: Tensor, conv_st
     conv_states [n, K-1, C] and states [n, H_v, dk, dv] are updated in place (kernels/deltanet.py)."""
     net = _deltanet(conv, taps, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim, v_head_dim)
     out = qkv.new_empty(qkv.shape[0], n_v_heads * v_head_dim)
-    net.decode(qkv, z, beta, alpha, list(range(qkv.shape[0])), conv_states, states, out)
+    net.decode(qkv, z, beta, alpha, range(qkv.shape[0]), conv_states, states, out)
     return out
 
 

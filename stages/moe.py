@@ -101,6 +101,7 @@ class MoE:
             self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
         self.inputs = w.join(inputs)
         self.token_call = self._token_call()
+        self.token_moe = None
 
     def _token_call(self) -> tuple | None:
         """ops.moe_token's arguments that do not change from call to call (from gate_up to limit, and of the
@@ -124,6 +125,14 @@ class MoE:
                  kind, exp_kind, alpha, limit),
                 (None, 0, False) if shared is None else (shared.raw, shared.type, shared.quantize_activations))
 
+    def _token_moe(self, h: int) -> blocks.TokenMoE:
+        """ops.moe_token's CPU call for token_call's weights (blocks.TokenMoE), made on first use."""
+        if self.token_moe is None:
+            e, shared = self.token_call
+            self.token_moe = blocks.TokenMoE(h, e[0:5], e[5:9], e[9:13], None if shared[0] is None else shared,
+                                             self.spec.shared_ff)
+        return self.token_moe
+
     def host_free(self, n: int) -> bool:
         """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can
         hold): the experts in this process, few enough slots for slot products (kernels/moe.py)."""
@@ -138,6 +147,8 @@ class MoE:
             logits, shared_gate, shared_gate_up = logits.split([s.n_expert, 1, 2 * s.shared_ff], dim=-1)
         weights, ids = s.route(logits, s.n_used)
         if self.token_call is not None and x.shape[0] == 1:   # a decode step's token: the bits below, one call
+            if not torch.compiler.is_compiling():   # eager: the op's CPU call, its weights described once
+                return self._token_moe(x.shape[-1])(x, ids.reshape(-1).tolist(), weights, shared_gate_up, shared_gate)
             experts, shared = self.token_call
             return ops.moe_token(x, ids, weights, *experts, shared_gate_up, *shared, shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
