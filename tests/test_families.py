@@ -124,16 +124,17 @@ def test_llama_cpp_computes_the_same_from_the_converted_file(oracle, family):
 @pytest.mark.parametrize("mode", ["auto", "float32"])
 def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, arch, kind, mode):
     """A file with GGML-block experts runs each MoE layer of a batch-1 decode step after its router in one call
-    (ops.moe_token: the routed experts' gate/up products, activation and down products with their biases, the
-    shared expert, the weighted sum); the tokens and logprobs are those of the separate calls, bit for bit."""
-    from kernels import ops
+    (blocks.TokenMoE, ops.moe_token's CPU call: the routed experts' gate/up products, activation and down products
+    with their biases, the shared expert, the weighted sum); the tokens and logprobs are those of the separate
+    calls, bit for bit."""
+    from kernels import blocks
     from stages import moe
     from tools.make_tiny import make_tiny
     path = make_tiny(arch, str(tmp_path), gguf_type=kind)
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     calls = []
-    one_call = ops.moe_token
-    monkeypatch.setattr(ops, "moe_token", lambda *args: calls.append(1) or one_call(*args))
+    one_call = blocks.TokenMoE.__call__
+    monkeypatch.setattr(blocks.TokenMoE, "__call__", lambda *args: calls.append(1) or one_call(*args))
     fused = run(open_model(path), prompt, mode=mode, max_tokens=8, logprobs=3)
     n = len(calls)
     assert n >= 7 * open_model(path).n_layers         # every layer of every decode step
