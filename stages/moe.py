@@ -101,14 +101,16 @@ class MoE:
             self.shared_down = w.matrix(p + "ffn_down_shexp.weight")
         self.inputs = w.join(inputs)
         self.token_call = self._token_call()
-        self.token_moe = None
+        # the same call made eagerly, its weights described once (h: the experts' down rows)
+        self.token_moe = None if self.token_call is None else blocks.TokenMoE(
+            self.experts.down.shape[-2], *self.token_call, spec.shared_ff)
 
     def _token_call(self) -> tuple | None:
-        """ops.moe_token's arguments that do not change from call to call (from gate_up to limit, and of the
-        shared expert its weight, type and mode), where one token's MoE after its router can be one
-        call: on the CPU with the block kernels, all of the layer's experts here, GGML-block weights, an
-        activation the library computes with this torch's bits (blocks.activation_exp), at widths that torch
-        computes by its vector formula throughout (multiples of 32 values). None otherwise."""
+        """ops.moe_token's arguments that do not change from call to call, as blocks.moe_token takes them:
+        (gate_up, down, activation, shared_down), the last None without a shared expert; where one token's MoE
+        after its router can be one call: on the CPU with the block kernels, all of the layer's experts here,
+        GGML-block weights, an activation the library computes with this torch's bits (blocks.activation_exp), at
+        widths that torch computes by its vector formula throughout (multiples of 32 values). None otherwise."""
         experts, shared, s = self.experts, self.shared_down, self.spec
         if not (self.local and s.n_used <= CPU_SLOT_PRODUCTS and blocks.library() is not None):
             return None
@@ -121,17 +123,9 @@ class MoE:
         if exp_kind is None:
             return None
         kind, alpha, limit = code
-        return ((*gate_up, experts.gate_up_bias, down.raw, down.type, down.quantize_activations, experts.down_bias,
-                 kind, exp_kind, alpha, limit),
-                (None, 0, False) if shared is None else (shared.raw, shared.type, shared.quantize_activations))
-
-    def _token_moe(self, h: int) -> blocks.TokenMoE:
-        """ops.moe_token's CPU call for token_call's weights (blocks.TokenMoE), made on first use."""
-        if self.token_moe is None:
-            e, shared = self.token_call
-            self.token_moe = blocks.TokenMoE(h, e[0:5], e[5:9], e[9:13], None if shared[0] is None else shared,
-                                             self.spec.shared_ff)
-        return self.token_moe
+        return ((*gate_up, experts.gate_up_bias), (down.raw, down.type, down.quantize_activations, experts.down_bias),
+                (kind, exp_kind, alpha, limit),
+                None if shared is None else (shared.raw, shared.type, shared.quantize_activations))
 
     def host_free(self, n: int) -> bool:
         """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can
@@ -148,9 +142,10 @@ class MoE:
         weights, ids = s.route(logits, s.n_used)
         if self.token_call is not None and x.shape[0] == 1:   # a decode step's token: the bits below, one call
             if not torch.compiler.is_compiling():   # eager: the op's CPU call, its weights described once
-                return self._token_moe(x.shape[-1])(x, ids.reshape(-1).tolist(), weights, shared_gate_up, shared_gate)
-            experts, shared = self.token_call
-            return ops.moe_token(x, ids, weights, *experts, shared_gate_up, *shared, shared_gate)
+                return self.token_moe(x, ids.reshape(-1).tolist(), weights, shared_gate_up, shared_gate)
+            gate_up, down, activation, shared = self.token_call
+            return ops.moe_token(x, ids, weights, *gate_up, *down, *activation, shared_gate_up,
+                                 *(shared or (None, 0, False)), shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
         slots = self.experts(x, ids, decoding) if self.local else self.experts(x, ids)
         return combine_slots(*slots, weights, shared_gate, shared)
