@@ -124,29 +124,33 @@ def row_bytes(ggml_type: int, k: int) -> int:
     return k // elems * size
 
 
-def check_raw(raw: torch.Tensor, dims: int, expected_row_bytes: int, what: str) -> None:
-    """raw is a contiguous `dims`-d uint8 tensor of rows of `expected_row_bytes` (`what` names their format)."""
+def check_raw(raw: torch.Tensor, dims: int, expected_row_bytes: int, what) -> None:
+    """raw is a contiguous `dims`-d uint8 tensor of rows of `expected_row_bytes`; `what` names their format (or
+    makes that name: called only on failure, since this check runs several times per decode product)."""
     if raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous():
         raise ValueError(f"raw must be a contiguous {dims}-d uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
     if raw.shape[-1] != expected_row_bytes:
-        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {expected_row_bytes} for {what}")
+        raise ValueError(f"raw rows of {raw.shape[-1]} bytes, expected {expected_row_bytes} for "
+                         f"{what() if callable(what) else what}")
 
 
 def _check_raw(raw: torch.Tensor, ggml_type: int, k: int, dims: int) -> None:
-    # the check inline, the message only on failure: this runs several times per decode product
-    if (raw.dtype != torch.uint8 or raw.dim() != dims or not raw.is_contiguous()
-            or raw.shape[-1] != row_bytes(ggml_type, k)):
-        check_raw(raw, dims, row_bytes(ggml_type, k), f"{T(ggml_type).name} with k={k}")
+    check_raw(raw, dims, row_bytes(ggml_type, k), lambda: f"{T(ggml_type).name} with k={k}")
+
+
+def _rows_fit(t: torch.Tensor, rows: int | None, cols: int) -> bool:
+    """t is a float32 CPU matrix [rows (any, for None), cols] whose last dimension is contiguous (any row stride)."""
+    # each attribute read once: these checks run on every decode product (a few µs per call counts)
+    shape, stride = t.shape, t.stride()
+    return not (t.dtype != torch.float32 or not t.is_cpu or len(shape) != 2 or shape[1] != cols
+                or (rows is not None and shape[0] != rows) or (cols > 1 and stride[1] != 1) or stride[0] < 1)
 
 
 def _check_rows(t: torch.Tensor, name: str, rows: int | None, cols: int) -> None:
-    """A float32 CPU matrix whose last dimension is contiguous (any row stride)."""
-    # each attribute read once: these checks run on every decode product (a few µs per call counts)
-    shape, stride = t.shape, t.stride()
-    if (t.dtype != torch.float32 or not t.is_cpu or len(shape) != 2 or shape[1] != cols
-            or (rows is not None and shape[0] != rows) or (cols > 1 and stride[1] != 1) or stride[0] < 1):
+    """_rows_fit, or a ValueError naming t."""
+    if not _rows_fit(t, rows, cols):
         raise ValueError(f"{name} must be float32 [{rows if rows is not None else 'M'}, {cols}] with a "
-                         f"contiguous last dimension, got {t.dtype} {tuple(shape)} strides {stride}")
+                         f"contiguous last dimension, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
 def dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,9 +205,8 @@ class RowProduct:
         self.call = _lib().raymoe_blocks_grouped
 
     def takes(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-        return (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == self.k
-                and x.stride(1) == 1 and (out is None or (out.dtype == torch.float32 and out.is_cpu and out.dim() == 2
-                                                          and out.shape == (1, self.n) and out.stride(1) == 1)))
+        """Whether x and out (when given) are what grouped_product's checks would pass for this call."""
+        return _rows_fit(x, 1, self.k) and (out is None or _rows_fit(out, 1, self.n))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:

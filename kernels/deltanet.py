@@ -299,9 +299,7 @@ class GatedDeltaNet:
         (raymoe::deltanet_decode: the compiled step on the CPU, Triton's on CUDA where kernels/gpu_ops.py
         turns the step on), else torch operations; torch.compile traces either without a break."""
         if qkv.is_cpu and not torch.compiler.is_compiling():     # the op's CPU implementation, without its dispatch
-            out = qkv.new_empty(qkv.shape[0], self.n_v_heads * self.v_head_dim)
-            self.decode(qkv, z, beta, alpha, range(qkv.shape[0]), conv_states, states, out)
-            return out
+            return self.decode_rows(qkv, z, beta, alpha, conv_states, states)
         triton = use_triton("delta_step", qkv) and use_triton("conv1d", qkv) and \
             all(n & (n - 1) == 0 for n in (self.k_head_dim, self.v_head_dim))
         if qkv.is_cuda and not triton:
@@ -309,6 +307,12 @@ class GatedDeltaNet:
         return ops.deltanet_decode(qkv, z, beta, alpha, conv_states, states, self.conv, self.taps, self.a,
                                    self.dt_bias, self.norm, self.eps, self.n_k_heads, self.n_v_heads, self.k_head_dim,
                                    self.v_head_dim)
+
+    def decode_rows(self, qkv, z, beta, alpha, conv_states, states) -> torch.Tensor:
+        """decode() of every row into a new out projection input [n, H_v * dv] (the op's CPU implementation)."""
+        out = qkv.new_empty(qkv.shape[0], self.n_v_heads * self.v_head_dim)
+        self.decode(qkv, z, beta, alpha, range(qkv.shape[0]), conv_states, states, out)
+        return out
 
     def _decode_torch(self, qkv, z, beta, alpha, conv_states, states) -> torch.Tensor:
         g, beta = self.gates(beta, alpha)

@@ -305,9 +305,7 @@ def deltanet_decode(qkv: Tensor, z: Tensor, beta: Tensor, alpha: Tensor, conv_st
     z [n, H_v * dv], beta and alpha [n, H_v]) to its out projection's input [n, H_v * dv]; the caches
     conv_states [n, K-1, C] and states [n, H_v, dk, dv] are updated in place (kernels/deltanet.py)."""
     net = _deltanet(conv, taps, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim, v_head_dim)
-    out = qkv.new_empty(qkv.shape[0], n_v_heads * v_head_dim)
-    net.decode(qkv, z, beta, alpha, range(qkv.shape[0]), conv_states, states, out)
-    return out
+    return net.decode_rows(qkv, z, beta, alpha, conv_states, states)
 
 
 @deltanet_decode.register_kernel("cuda")

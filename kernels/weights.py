@@ -143,10 +143,8 @@ class BlockWeight:
         return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.raw.is_cpu and not torch.compiler.is_compiling():   # eager decode (see product)
-            row = self._row_product(None)
-            if row is not None and row.takes(x, out):
-                return row(x, out)
+        if self._one_row(x, None, out) is not None:
+            return out
         return self._product(x, self.raw, [(0, 0, x.shape[0])], out)
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
@@ -155,21 +153,22 @@ class BlockWeight:
         return self._product(x, self.raw, groups, out, None if second is None else second.raw)
 
     def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] == 1 and self.raw.is_cpu and not torch.compiler.is_compiling():   # eager decode
-            row = self._row_product(raw2)
-            if row is not None and row.takes(x):
-                return row(x)
-        return ops.block_linear(x, self.raw, raw2, self.kernel_type, self.k, self.quantize_activations)
+        y = self._one_row(x, raw2)
+        return y if y is not None else ops.block_linear(x, self.raw, raw2, self.kernel_type, self.k,
+                                                        self.quantize_activations)
 
-    def _row_product(self, raw2: torch.Tensor | None) -> "blocks.RowProduct | None":
-        """The one-row product with raw2's rows after these (the same raw2 each time: ConcatWeight's pair), made
-        on first use; None without the compiled library."""
+    def _one_row(self, x: torch.Tensor, raw2: torch.Tensor | None, out: torch.Tensor | None = None):
+        """An eager decode step's one-row product on the CPU (with raw2's rows after these: the same raw2 each
+        time, ConcatWeight's pair) through blocks.RowProduct, made on first use; into out when given. None where
+        that call does not take these (no compiled library, under torch.compile, other rows): the caller's way."""
+        if x.shape[0] != 1 or not self.raw.is_cpu or torch.compiler.is_compiling():
+            return None
         row = self._row
         if row is None or row.tensors[1] is not raw2:
             if blocks.library() is None or self.raw.shape[-2] + (0 if raw2 is None else raw2.shape[-2]) == 0:
                 return None
             row = self._row = blocks.RowProduct(self.raw, self.type, self.k, self.quantize_activations, raw2)
-        return row
+        return row(x, out) if row.takes(x, out) else None
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
         return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.kernel_type, self.k,
