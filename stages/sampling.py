@@ -340,7 +340,11 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=No
     `matchers` (stages.structured.Matchers) gives the masks of the chunks with a grammar, all at once."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
              and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None]
-    best = dict(zip(plain, torch.argmax(logits[plain], -1).tolist())) if plain else {}
+    if plain:   # a decode step's rows are all of them, in order: no copy of the rows (1 MB a row at 248k tokens)
+        rows = logits if plain == list(range(logits.shape[0])) else logits[plain]
+        best = dict(zip(plain, torch.argmax(rows, -1).tolist()))
+    else:
+        best = {}
     if logits.device.type != "cpu" and any((c.tip is not None and c.tip not in best) or c.targets for c in chunks):
         logits = logits.cpu()       # the rest samples on the host (its generators are the CPU's)
     constrained = [c for c in chunks if c.tip is not None and c.params.grammar is not None]
