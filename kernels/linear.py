@@ -33,6 +33,14 @@ def slot_linear(x: torch.Tensor, weights, ids: torch.Tensor, bias: torch.Tensor 
     return out if bias is None else out.add_(bias.index_select(0, ids.reshape(-1)))
 
 
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows `rows`, in that order; x itself when they are all of its rows in order (no copy, and no index to
+    send to a GPU)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x.index_select(0, torch.tensor(rows, dtype=torch.long, device=x.device))
+
+
 def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:
     """Embedding rows of a weight table as float32."""
     return as_weight(table).rows(ids)

@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .gpu_ops import use_triton
-from .linear import grouped_linear, slot_linear
+from .linear import grouped_linear, slot_linear, take_rows
 from .pointwise import sigmoid, silu
 
 # On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
@@ -115,7 +115,7 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     k = ids.shape[1]
     slots = torch.tensor(order, device=x.device)
     rows = [s // k for s in order]      # each slot's token (sorted slots: a copy even when k is 1)
-    tokens = x if rows == list(range(x.shape[0])) else x.index_select(0, torch.tensor(rows, device=x.device))
+    tokens = take_rows(x, rows)
     h = grouped_linear(tokens, gate_up, groups, gate_up_bias)
     return slots, grouped_linear(activation(h), down, groups, down_bias)
 

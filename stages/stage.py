@@ -8,7 +8,7 @@ import torch
 
 from kernels import gpu_ops
 from kernels.allocator import keep_freed_memory
-from kernels.linear import linear, lookup_rows
+from kernels.linear import linear, lookup_rows, take_rows
 from kernels.norms import rms_norm
 from kernels.threads import loading_threads, torch_threads_for
 from kernels.weights import Loading, cat_weights
@@ -178,7 +178,7 @@ class Stage:
             if not self.last:
                 return x
             rows = batch.logit_rows       # decode: every row, with no index to copy to a GPU (which waits for it)
-            x = rms_norm(x if rows == list(range(x.shape[0])) else x[rows], self.norm, self.config.rms_eps)
+            x = rms_norm(take_rows(x, rows), self.norm, self.config.rms_eps)
             logits = linear(x, self.head).float()
         if batch.sampling is None:
             return logits.cpu()
