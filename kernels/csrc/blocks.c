@@ -18,6 +18,8 @@
  * when raymoe_blocks_set_amx turns them on, with the same results as VNNI.
  */
 #include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1683,6 +1685,46 @@ static void mxfp4_rows(const weight_rows *wr, int64_t g, int64_t r0, int64_t r1,
 }
 #endif
 
+/* A parallel loop's items shared out as schedule(static) does, one contiguous run per thread, each thread walking
+ * its own run forward; a thread done with its run takes items from the end of another's. So a thread the OS stops
+ * (another process woke on its core) no longer holds up the loop's end while the others wait at the barrier
+ * (measured on 2 cores: decode steps 1-1.5% faster, in process and in a Ray actor). Runs stay contiguous, so the
+ * weight streams do too (interleaved dynamic claims broke them: slower). Each item is still computed whole by one
+ * thread, so the bits do not change. */
+typedef struct {
+    _Atomic uint64_t span; /* next item (low 32 bits) and end of the run (high 32 bits) */
+    char pad[56];          /* one cache line each */
+} item_run;
+
+/* Sets this thread's run of n items (a barrier must follow before any thread claims). */
+static void item_run_init(item_run *runs, int64_t n) {
+    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), q = n / nt, r = n % nt;
+    const int64_t lo = me * q + (me < r ? me : r), hi = lo + q + (me < r);
+    atomic_store_explicit(&runs[me].span, (uint64_t)lo | (uint64_t)hi << 32, memory_order_relaxed);
+}
+
+/* The next item of run `run`: its front when it is this thread's own run, else its back. -1 when none is left. */
+static inline int64_t item_claim(item_run *run, int own) {
+    uint64_t s = atomic_load_explicit(&run->span, memory_order_relaxed);
+    for (;;) {
+        const uint64_t next = s & 0xffffffffu, end = s >> 32;
+        if (next >= end) return -1;
+        const uint64_t claimed = own ? s + 1 : s - ((uint64_t)1 << 32);
+        if (atomic_compare_exchange_weak_explicit(&run->span, &s, claimed, memory_order_relaxed, memory_order_relaxed))
+            return own ? (int64_t)next : (int64_t)end - 1;
+    }
+}
+
+/* The next item for this thread: from its own run, then from the others' (-1 when the loop is done). */
+static inline int64_t item_next(item_run *runs) {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    for (int i = 0; i < nt; i++) {
+        const int64_t item = item_claim(&runs[(me + i) % nt], i == 0);
+        if (item >= 0) return item;
+    }
+    return -1;
+}
+
 /* For each group (g, a, b) in groups[0 .. 3 count): rows a..b of y = rows a..b of x times the
  * transpose of weight g ([n rows of k], row after row: see weight_rows). x is [m, k] with row
  * stride ldx, y has row stride ldy. quantize: the fast (int8 activations) mode, ignored for
@@ -1701,6 +1743,12 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             free_x(&xq);
             return -1;
         }
+    }
+    /* one run per thread; items are counted in 32 bits */
+    item_run *runs = count * blocks <= UINT32_MAX ? alloc64((size_t)omp_get_max_threads() * sizeof(item_run)) : NULL;
+    if (!runs) {
+        free_x(&xq);
+        return -1;
     }
     int failed = 0;
 #if ARCH == 2
@@ -1734,8 +1782,9 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             for (int64_t i = 0; i < m; i++)
                 quantize_row(t, x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i, 0);
         }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < count * blocks; item++) {
+        item_run_init(runs, count * blocks);
+#pragma omp barrier
+        for (int64_t item; (item = item_next(runs)) >= 0;) {
             if (buffered && !buffer) {
                 failed = 1;
                 continue;
@@ -1792,6 +1841,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
         }
         free(buffer);
     }
+    free(runs);
     free_x(&xq);
     return failed ? -1 : 0;
 }
@@ -2560,11 +2610,13 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
         packed = alloc64((size_t)first[count] * pack_size + 64);
     }
 #endif
-    if (!x_allocated(&xq) || (amx && !packed) || (transposed32 && !qt)) {
+    item_run *runs = count * tiles <= UINT32_MAX ? alloc64((size_t)omp_get_max_threads() * sizeof(item_run)) : NULL;
+    if (!x_allocated(&xq) || (amx && !packed) || (transposed32 && !qt) || !runs) {
         free_x(&xq);
         free(qt);
         free(first);
         free(packed);
+        free(runs);
         return -1;
     }
     /* one tile row: 32-blocks: u and s [kq] (zero past k), wcorr [lanes], dw and dm
@@ -2629,8 +2681,9 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
                              packed + at * pack_size);
         }
 #endif
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < count * tiles; item++) {
+        item_run_init(runs, count * tiles);
+#pragma omp barrier
+        for (int64_t item; (item = item_next(runs)) >= 0;) {
             if (!buffer) {
                 failed = 1;
                 continue;
@@ -2681,6 +2734,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
     free(qt);
     free(first);
     free(packed);
+    free(runs);
     return failed ? -1 : 0;
 }
 
