@@ -1696,11 +1696,17 @@ typedef struct {
     char pad[56];          /* one cache line each */
 } item_run;
 
-/* Sets this thread's run of n items (a barrier must follow before any thread claims). */
-static void item_run_init(item_run *runs, int64_t n) {
+/* Room for one run per thread of a loop of n items (NULL when out of memory, or past 32 bits of items). */
+static item_run *item_runs_new(int64_t n) {
+    return n <= UINT32_MAX ? alloc64((size_t)omp_get_max_threads() * sizeof(item_run)) : NULL;
+}
+
+/* Inside the parallel region, every thread: sets its run of the n items, then waits for the others' to be set. */
+static void item_runs_start(item_run *runs, int64_t n) {
     const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), q = n / nt, r = n % nt;
     const int64_t lo = me * q + (me < r ? me : r), hi = lo + q + (me < r);
     atomic_store_explicit(&runs[me].span, (uint64_t)lo | (uint64_t)hi << 32, memory_order_relaxed);
+#pragma omp barrier
 }
 
 /* The next item of run `run`: its front when it is this thread's own run, else its back. -1 when none is left. */
@@ -1744,8 +1750,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             return -1;
         }
     }
-    /* one run per thread; items are counted in 32 bits */
-    item_run *runs = count * blocks <= UINT32_MAX ? alloc64((size_t)omp_get_max_threads() * sizeof(item_run)) : NULL;
+    item_run *runs = item_runs_new(count * blocks);
     if (!runs) {
         free_x(&xq);
         return -1;
@@ -1782,8 +1787,7 @@ int raymoe_blocks_grouped(int t, int quantize, const float *x, int64_t m, int64_
             for (int64_t i = 0; i < m; i++)
                 quantize_row(t, x + i * ldx, k, mode == 2 ? QK : 32, mode == 1 ? offset_a(t) : 0, &xq, i, 0);
         }
-        item_run_init(runs, count * blocks);
-#pragma omp barrier
+        item_runs_start(runs, count * blocks);
         for (int64_t item; (item = item_next(runs)) >= 0;) {
             if (buffered && !buffer) {
                 failed = 1;
@@ -2610,7 +2614,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
         packed = alloc64((size_t)first[count] * pack_size + 64);
     }
 #endif
-    item_run *runs = count * tiles <= UINT32_MAX ? alloc64((size_t)omp_get_max_threads() * sizeof(item_run)) : NULL;
+    item_run *runs = item_runs_new(count * tiles);
     if (!x_allocated(&xq) || (amx && !packed) || (transposed32 && !qt) || !runs) {
         free_x(&xq);
         free(qt);
@@ -2681,8 +2685,7 @@ int raymoe_blocks_grouped_many(int t, const float *x, int64_t m, int64_t ldx, co
                              packed + at * pack_size);
         }
 #endif
-        item_run_init(runs, count * tiles);
-#pragma omp barrier
+        item_runs_start(runs, count * tiles);
         for (int64_t item; (item = item_next(runs)) >= 0;) {
             if (!buffer) {
                 failed = 1;
