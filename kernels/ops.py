@@ -91,6 +91,7 @@ def _slots(weight, x: Tensor, ids: Tensor) -> Tensor:
     eager path's. Slots of distinct experts (one token's) are each a group, in slot order; otherwise the
     slots are sorted by expert, so that each expert's weights are read once, and put back in slot order.
     A row's bits depend only on its own activations and weight."""
+    from .linear import take_rows       # here: linear imports weights, which imports this module
     from .moe import _plan
     T, k = ids.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -99,8 +100,7 @@ def _slots(weight, x: Tensor, ids: Tensor) -> Tensor:
         tokens = _per_slot(x, ids)
         return weight.grouped(tokens, [(e, s, s + 1) for s, e in enumerate(flat)], x.new_empty(T * k, weight.shape[-2]))
     order, groups = _plan(ids, range(weight.shape[0]))
-    rows = [s // k for s in order]
-    tokens = x if rows == list(range(x.shape[0])) else x.index_select(0, torch.tensor(rows))
+    tokens = take_rows(x, [s // k for s in order])
     products = weight.grouped(tokens, groups, x.new_empty(len(order), weight.shape[-2]))
     return x.new_empty(T * k, weight.shape[-2]).index_copy_(0, torch.tensor(order), products)
 
