@@ -346,11 +346,11 @@ class Coordinator:
         token instead, the stage computes one step for nothing."""
         g, (_, plan, _, _) = next(iter(self.in_flight.items()))
         self.current = (g, plan)
-        planned = self.core.plan_ahead(plan)
+        planned = self.core.plan_ahead(plan, self.spec.args.steps_per_call)
         if planned is not None:
             batch, ahead = planned
             self.ahead = (g, self.pipeline.submit(batch), ahead, batch)
-            self.ahead_steps += 1
+            self.ahead_steps += len(ahead)
 
     def _take_ahead(self, group: int):
         """After a batch of `group` was consumed: the step sent ahead of it is now the one in flight, if its
@@ -363,7 +363,7 @@ class Coordinator:
             self.in_flight[group] = (refs, plan, batch, None)
         else:       # it ended (or was cancelled) with the token before: its caches are released after this step
             self.core.drop_ahead(plan)
-            self.ahead_dropped += 1
+            self.ahead_dropped += len(plan)
 
     def script_for(self, prompt_ids: list[int]) -> list[int] | None:
         """Test hook (EngineArgs.scripted_outputs, {text: token ids}): a sequence whose prompt's text holds a
@@ -456,11 +456,11 @@ class Coordinator:
         return results[-1]
 
     def _consume(self, results, plan):
-        before = {c.seq.seq_id: len(c.seq.output_ids) for c in plan}
+        seqs = list(dict.fromkeys(c.seq for c in plan))     # a several-step call's chunks are one sequence's
+        before = {seq.seq_id: len(seq.output_ids) for seq in seqs}
         finished = self.core.consume(results, plan)
         now = time.perf_counter()
-        for c in plan:
-            seq = c.seq
+        for seq in seqs:
             new = seq.output_ids[before[seq.seq_id]:]
             if new and before[seq.seq_id] == 0:
                 self.stats["first_token_s"].append(now - self.stats["started"].pop(seq.seq_id, now))

@@ -40,6 +40,7 @@ class EngineArgs:
     max_batch_tokens: int = 512              # tokens per micro-batch
     prefill_chunk: int = 256                 # a long prompt's tokens per step
     itl_target_ms: float | None = None       # while sequences decode, prompt chunks shrink to keep tokens this close
+    steps_per_call: int = 4                  # decode steps one stage call runs for a lone sequence at pp 1
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
@@ -87,6 +88,7 @@ class EngineArgs:
             raise RaymoeError(mode_device_error(self.dtype, self.device))
         for name, low, none_ok in (("pp", 1, False), ("ep", 0, False), ("threads", 1, True),
                                    ("max_batch_tokens", 1, False), ("prefill_chunk", 1, False),
+                                   ("steps_per_call", 1, False),
                                    ("max_running", 1, True), ("max_model_len", 1, True), ("max_queued", 0, True)):
             value = getattr(self, name)
             if not ((none_ok and value is None) or (type(value) is int and value >= low)):
@@ -195,6 +197,10 @@ FLAGS = {
                           help="while sequences decode, cut the prompt tokens of the steps ahead of their next token "
                                "to what keeps it within MS milliseconds (measured step costs; shorter inter-token "
                                "latency for a longer time to first token; default: no bound)"),
+    "steps_per_call": dict(type=int, metavar="N",
+                           help="with one sequence running at --pp 1, each call to the stage runs up to N decode "
+                                "steps and returns their tokens together: fewer calls through Ray a token, tokens "
+                                "streamed N at a time (default %(default)s; the outputs are the same at any N)"),
     "placement_timeout": dict(type=float, metavar="S",
                               help="seconds to wait for the Ray cluster to place the pipeline's actors, at start and "
                                    "again after a node is lost; then it fails, saying so (default %(default)g)"),

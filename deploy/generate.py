@@ -53,7 +53,7 @@ def parse_args(argv=None):
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
                          "max_model_len", "max_running", "prefix_cache_gb", "chat_template", "chat_template_kwargs",
-                         "placement_timeout"])
+                         "steps_per_call", "placement_timeout"])
     # sampling defaults of the job; a line's own values override them, and they override the model's
     # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
     p.add_argument("--max-tokens", type=int, default=None, help="default 64")

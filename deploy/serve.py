@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
                          "max_model_len", "prefix_cache_gb", "max_queued", "itl_target_ms", "chat_template",
-                         "chat_template_kwargs", "placement_timeout"], ServeArgs)
+                         "chat_template_kwargs", "steps_per_call", "placement_timeout"], ServeArgs)
     p.add_argument("--host", default="127.0.0.1",
                    help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")

@@ -31,6 +31,7 @@ class ServeArgs(EngineArgs):
     model: str = "tiny-qwen35moe"
     microbatches: int | None = None          # None: --pp (one group per stage)
     max_queued: int | None = 256              # sequences waiting for a slot before 503; None or -1: unbounded
+    steps_per_call: int = 1                   # a lone stream gets each token as it is sampled
     served_model_name: str | None = None      # the name clients send as "model" (default: model)
     host: str = "127.0.0.1"                   # where gRPC listens (HTTP: Serve's http_options.host)
     grpc_port: int = 9000                     # 0: no gRPC

@@ -39,6 +39,10 @@ class StepBatch:
     # token_ids unset: each chunk (one token) is the token this stage sampled last for its sequence, planned
     # before that token was back (a one-stage pipeline; stages/engine.py plan_ahead)
     follow: bool = False
+    # a follow batch of one sequence: decode steps to run in this one call, each from the token the one before
+    # sampled; the results are each step's, in order. It stops after a token of end_ids (its end and stop tokens)
+    steps: int = 1
+    end_ids: frozenset = frozenset()
 
     @property
     def n_tokens(self) -> int:

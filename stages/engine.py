@@ -125,28 +125,32 @@ class EngineCore:
                 self.prefix.plan(batch, plan)
         return planned
 
-    def plan_ahead(self, plan: list[PlannedChunk]) -> tuple[StepBatch, list[PlannedChunk]] | None:
+    def plan_ahead(self, plan: list[PlannedChunk], steps: int = 1) -> tuple[StepBatch, list[PlannedChunk]] | None:
         """The step after `plan`, planned while `plan` computes, for the pipeline that would otherwise wait idle
         for its result: one sequence runs and none waits, so that this is the batch next_batch would plan once
-        the token is back, if the sequence goes on. Its one chunk continues from the token the last stage samples
-        for `plan` (StepBatch.follow), which only a one-stage pipeline, embedding what it sampled, can run. None
-        where the next step is not certain to be that one (others wait, the token is its last by max_tokens or
-        the context) or needs the token here first (a penalty's or a grammar's history, a test's script)."""
-        if len(plan) != 1 or self.waiting or self.running() != 1:
+        the token is back, if the sequence goes on. It continues from the token the last stage samples for `plan`
+        (StepBatch.follow), which only a one-stage pipeline, embedding what it sampled, can run; with `steps` > 1
+        it runs that many decode steps in one call (fewer where max_tokens or the context comes first), each one
+        chunk of the plan it returns. None where the next step is not certain to be that one (others wait, the
+        sequence ends by max_tokens or the context with `plan`) or needs the token here first (a penalty's or a
+        grammar's history, a test's script)."""
+        if self.waiting or self.running() != 1 or len({c.seq for c in plan}) != 1:
             return None
-        c = plan[0]
-        seq, params = c.seq, c.seq.params
-        if (c.start + c.length != seq.n_tokens or seq.finish_reason is not None or seq.cancelled
-                or seq.script is not None or params.needs_history or len(seq.output_ids) + 1 >= params.max_tokens
-                or seq.n_tokens + 1 >= seq.context_length):
+        seq, params = plan[0].seq, plan[0].seq.params
+        pending = len(plan)       # tokens `plan` samples (several: a plan of this method's)
+        start = seq.n_tokens + pending - 1      # where the last of them goes
+        steps = min(steps, params.max_tokens - len(seq.output_ids) - pending, seq.context_length - start - 1)
+        last = plan[-1]
+        if (steps < 1 or last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
+                or seq.script is not None or params.needs_history):
             return None
-        start = seq.n_tokens      # where the token being sampled goes
-        sampling = ChunkSampling(params=params, seed=seq.seed, position=len(seq.output_ids) + 1, tip=0,
+        sampling = ChunkSampling(params=params, seed=seq.seed, position=len(seq.output_ids) + pending, tip=0,
                                  seq_id=seq.seq_id)
+        ends = seq.stop_ids if params.ignore_eos else seq.stop_ids | seq.eos_ids
         batch = StepBatch(seq_ids=[seq.seq_id], start_pos=[start], lengths=[1], logit_rows=[0], sampling=[sampling],
-                          follow=True)
-        ahead = [PlannedChunk(seq, start, 1)]
-        if self.prefill_budget is not None:
+                          follow=True, steps=steps, end_ids=frozenset(ends))
+        ahead = [PlannedChunk(seq, start + i, 1) for i in range(steps)]
+        if self.prefill_budget is not None and steps == 1:    # it measures one step's cost
             self.prefill_budget.planned(ahead, 0)
         if self.prefix is not None:
             self.prefix.plan(batch, ahead)
@@ -164,8 +168,11 @@ class EngineCore:
         if self.prefill_budget is not None:
             self.prefill_budget.done(plan)
         finished = []
-        for c, result in zip(plan, results):
+        for i, c in enumerate(plan):
             seq = c.seq
+            if seq in finished:     # it ended at an earlier step of a several-step call (plan_ahead)
+                continue
+            result = results[i] if i < len(results) else "the stage returned no result for this step"
             try:
                 if isinstance(result, str):     # its sampling failed; the last stage logged the traceback
                     seq.error = f"internal error: {result}"

@@ -4,6 +4,8 @@ The stage owns the caches of every sequence that passes through it, keyed by seq
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kernels import gpu_ops
@@ -152,7 +154,31 @@ class Stage:
 
         Returns hidden states [T, H]; on the last stage, per chunk what batch.sampling asks for (tokens and
         logprobs, see stages.sampling.sample_chunks), or without it the float32 logits of batch.logit_rows.
+        A follow batch gives one such result per step it ran (StepBatch.steps).
         """
+        if batch.follow:
+            return self._follow(batch)
+        return self._step(batch, hidden)
+
+    def _follow(self, batch: StepBatch) -> list:
+        """batch.steps decode steps of one sequence, each from the token the step before sampled. It stops after
+        a token of batch.end_ids or a failed sampling, and runs none when the token it would continue from ended
+        the sequence (the call was sent before the coordinator knew)."""
+        if not (self.first and self.last) or len(batch.seq_ids) != 1:
+            raise ValueError("a follow batch runs one sequence on a stage that embeds and samples")
+        sid, sampling = batch.seq_ids[0], batch.sampling[0]
+        results = []
+        for i in range(batch.steps):
+            if self.sampled.get(sid) in batch.end_ids:
+                break
+            step = replace(batch, start_pos=[batch.start_pos[0] + i], prefix=batch.prefix if i == 0 else None,
+                           sampling=[replace(sampling, position=sampling.position + i)])
+            results.append(self._step(step)[0])
+            if isinstance(results[-1], str):
+                break
+        return results
+
+    def _step(self, batch: StepBatch, hidden: torch.Tensor | None = None):
         if self.first:
             x = lookup_rows(self.embed, torch.as_tensor(self._input_ids(batch), device=self.device))
         else:       # a transport that stages through the host hands a CPU tensor to a GPU stage

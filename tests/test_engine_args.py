@@ -31,7 +31,8 @@ JOB = ["--input", "in.jsonl", "--output", "out.jsonl"]
     ({"prefix_cache_gb": -1}, "--prefix-cache-gb"), ({"prefix_cache_gb": "1"}, "--prefix-cache-gb"),
     ({"prefix_cache_gb": float("nan")}, "--prefix-cache-gb"),
     ({"itl_target_ms": 0}, "--itl-target-ms"), ({"itl_target_ms": "500"}, "--itl-target-ms"),
-    ({"itl_target_ms": float("inf")}, "--itl-target-ms"),
+    ({"itl_target_ms": float("inf")}, "--itl-target-ms"), ({"steps_per_call": 0}, "--steps-per-call"),
+    ({"steps_per_call": 2.5}, "--steps-per-call"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag(changes, flag):
     with pytest.raises(RaymoeError) as e:
@@ -62,14 +63,16 @@ def test_the_generate_command_line_gives_the_python_api_values():
 
 
 def test_defaults_are_the_same_from_every_front():
-    """Batch jobs keep 4 micro-batch groups; the server defaults to one per stage and a bounded queue,
-    from its command line and from a Serve config alike."""
+    """Batch jobs keep 4 micro-batch groups and run 4 steps a call for a lone sequence; the server defaults to one
+    group per stage, a bounded queue and a step a call (each token streamed as sampled), from its command line and
+    from a Serve config alike."""
     assert EngineArgs.from_flags(generate.parse_args(["--model", MODEL, *JOB])) == EngineArgs(MODEL)
     assert EngineArgs(MODEL).microbatches == 4 and EngineArgs(MODEL).max_queued is None
+    assert EngineArgs(MODEL).steps_per_call == 4
     from_cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL]))
     from_config = serve.ServeArgs(**{"model": MODEL})
     assert from_cli == from_config
-    assert from_cli.engine_args() == EngineArgs(MODEL, microbatches=None, max_queued=256)
+    assert from_cli.engine_args() == EngineArgs(MODEL, microbatches=None, max_queued=256, steps_per_call=1)
     ppl = perplexity.parse_args(["--model", MODEL, "--text", "t.txt"])
     assert EngineArgs.from_flags(ppl) == EngineArgs(MODEL)
 
@@ -77,12 +80,14 @@ def test_defaults_are_the_same_from_every_front():
 def test_the_serve_config_takes_the_same_values_as_the_command_line():
     """Serve passes `key=value` arguments as text: they convert to the same settings."""
     config = serve.ServeArgs(**{"model": MODEL, "pp": "2", "split": ["3", "5"], "transport": "gloo",
-                                "max_queued": "-1", "threads": "2"})
+                                "max_queued": "-1", "threads": "2", "steps_per_call": "3"})
     cli = serve.ServeArgs.from_flags(serve.parse_args(["--model", MODEL, "--pp", "2", "--transport", "gloo",
-                                                       "--max-queued", "-1", "--threads", "2", "--grpc-port", "0"]))
+                                                       "--max-queued", "-1", "--threads", "2", "--grpc-port", "0",
+                                                       "--steps-per-call", "3"]))
     assert config.engine_args() == EngineArgs(MODEL, pp=2, split=[3, 5], transport="gloo", threads=2,
-                                              microbatches=None, max_queued=None)
-    assert cli.engine_args() == EngineArgs(MODEL, pp=2, transport="gloo", threads=2, microbatches=None)
+                                              microbatches=None, max_queued=None, steps_per_call=3)
+    assert cli.engine_args() == EngineArgs(MODEL, pp=2, transport="gloo", threads=2, microbatches=None,
+                                           steps_per_call=3)
     with pytest.raises(ValueError, match="unexpected_keyword_argument|Unexpected keyword"):
         serve.ServeArgs(**{"model": MODEL, "pipeline_parallel": 2})      # a misspelt setting is refused
 

@@ -1,6 +1,10 @@
 """Steps sent ahead (cluster/coordinator.py _launch_ahead): with one sequence running on a one-stage pipeline, its
-next step goes to the stage before the token it continues from is back. The outputs are the in-process engine's,
-bit for bit, whether the sequence ends by its length or by a stop string (a step sent for nothing)."""
+next step goes to the stage before the token it continues from is back, and with --steps-per-call N one call runs N
+decode steps. The outputs are the in-process engine's, bit for bit, whether the sequence ends by its length or by a
+stop string (steps computed for nothing)."""
+import math
+from dataclasses import replace
+
 import pytest
 
 from cluster.engine import ClusterEngine, EngineArgs
@@ -26,8 +30,9 @@ def local_results(model: str, requests: list[dict]) -> list[dict]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("model", ["tiny-qwen35moe", "tiny-gptoss"])
-def test_steps_sent_ahead_give_the_same_outputs(model):
+@pytest.mark.parametrize("model,steps_per_call", [("tiny-qwen35moe", 1), ("tiny-gptoss", 1), ("tiny-qwen35moe", 3),
+                                                   ("tiny-gptoss", 4)])
+def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call):
     greedy = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
     text = local_results(model, [greedy])[0]["text"]
     stop = text[len(text) // 2:len(text) // 2 + 2]      # ends the greedy output early: its step ahead is not used
@@ -42,7 +47,7 @@ def test_steps_sent_ahead_give_the_same_outputs(model):
     expected = local_results(model, requests)
     assert expected[1]["finish_reason"] == "stop" and len(expected[1]["token_ids"]) < 12
 
-    engine = ClusterEngine(EngineArgs(model, pp=1))
+    engine = ClusterEngine(EngineArgs(model, pp=1, steps_per_call=steps_per_call))
     try:
         results = []
         for i, request in enumerate(requests):      # one at a time: the only sequence running
@@ -57,9 +62,13 @@ def test_steps_sent_ahead_give_the_same_outputs(model):
         engine.shutdown()
     for got, want in zip(results, expected):
         assert {k: got[k] for k in KEYS} == {k: want[k] for k in KEYS}
-    # every token after the first of the first three came from a step sent ahead; the stop string's one more
-    assert stats["ahead_steps"] - stats["ahead_dropped"] == sum(len(r["token_ids"]) - 1 for r in expected[:3])
-    assert stats["ahead_dropped"] == 1
+    # the first three (and the one-token one): one call for the prompt, then calls of up to steps_per_call tokens;
+    # the penalised one a call a token
+    n = [len(r["token_ids"]) for r in expected]
+    assert stats["steps"] == sum(1 + math.ceil((k - 1) / steps_per_call) for k in n[:4]) + n[4]
+    if steps_per_call == 1:     # every token after the first of the first three came from a step sent ahead
+        assert stats["ahead_steps"] - stats["ahead_dropped"] == sum(k - 1 for k in n[:3])
+    assert stats["ahead_dropped"] >= 1      # the stop string's call after the one that ended it
 
 
 def test_only_a_lone_sequence_is_planned_ahead():
@@ -78,3 +87,31 @@ def test_only_a_lone_sequence_is_planned_ahead():
     core.finish(core.sequences[1], "abort")
     _, plan = core.next_batch(0)
     assert [c.seq for c in plan] == [penalised] and core.plan_ahead(plan) is None
+
+
+def test_several_steps_a_call_stop_at_an_end_token():
+    """A follow batch of several steps gives the tokens the engine gives one step at a time, and stops after a token
+    of its end_ids; a call sent after that token runs no step."""
+    files = open_model("tiny-qwen35moe")
+    reference = LocalEngine(files)
+    want = reference.add_request("r", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0))
+    reference.run_until_done()
+    tokens = want.output_ids
+    end = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])    # its first appearance
+
+    engine = LocalEngine(files)
+    stage = engine.stages[0]
+    seq = engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0))
+    batch, plan = engine.next_batch(0)
+    first = stage.forward(batch)
+    ahead, ahead_plan = engine.plan_ahead(plan, steps=20)
+    assert ahead.steps == 9 and [c.start for c in ahead_plan] == list(range(3, 12))     # max_tokens caps it
+    assert ahead.sampling[0].position == 1
+    ahead.end_ids = frozenset([tokens[end]])
+    results = stage.forward(ahead)
+    assert [first[0][0]] + [r[0] for r in results] == tokens[:end + 1]
+    engine.consume(first, plan)
+    engine.consume(results, ahead_plan[:len(results)])
+    assert seq.output_ids == tokens[:end + 1]
+    after = replace(ahead, start_pos=[3 + len(results)], steps=2)     # sent before the end token was known
+    assert stage.forward(after) == []
