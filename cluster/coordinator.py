@@ -342,8 +342,10 @@ class Coordinator:
         """One batch in flight on a one-stage pipeline: when it is one sequence's step, send its next step now
         (stages/engine.py plan_ahead), so that the stage starts it as soon as this one ends instead of waiting
         for the coordinator to consume the result and plan again, as vLLM's asynchronous scheduling does. It is
-        the step the coordinator would send next, so the outputs are the same; when the sequence ends with this
-        token instead, the stage computes one step for nothing."""
+        the step the coordinator would send next, so the outputs are the same. With steps_per_call > 1 it runs that
+        many steps (StepBatch.steps). When the sequence ends with an end token the stage computes no step past it;
+        after a stop string or a cancel, which only the coordinator sees, it computes up to steps_per_call for
+        nothing."""
         g, (_, plan, _, _) = next(iter(self.in_flight.items()))
         self.current = (g, plan)
         planned = self.core.plan_ahead(plan, self.spec.args.steps_per_call)

@@ -146,9 +146,8 @@ class EngineCore:
             return None
         sampling = ChunkSampling(params=params, seed=seq.seed, position=len(seq.output_ids) + pending, tip=0,
                                  seq_id=seq.seq_id)
-        ends = seq.stop_ids if params.ignore_eos else seq.stop_ids | seq.eos_ids
         batch = StepBatch(seq_ids=[seq.seq_id], start_pos=[start], lengths=[1], logit_rows=[0], sampling=[sampling],
-                          follow=True, steps=steps, end_ids=frozenset(ends))
+                          follow=True, steps=steps, end_ids=seq.end_ids)
         ahead = [PlannedChunk(seq, start + i, 1) for i in range(steps)]
         if self.prefill_budget is not None and steps == 1:    # it measures one step's cost
             self.prefill_budget.planned(ahead, 0)

@@ -99,6 +99,12 @@ class Sequence:
                 entry = None if entry is None else {**entry, "token_id": token}
             self.append_token(token, entry)
 
+    @property
+    def end_ids(self) -> frozenset:
+        """The tokens that end it when sampled (append_token): its stop tokens, and its end-of-text ones unless
+        ignore_eos."""
+        return self.stop_ids if self.params.ignore_eos else self.stop_ids | self.eos_ids
+
     def append_token(self, token: int, entry: dict | None = None):
         self.output_ids.append(token)
         if self.logprobs is not None:
