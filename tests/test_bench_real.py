@@ -23,3 +23,15 @@ def test_bytes_per_token_counts_the_routed_share_of_the_experts():
 def test_generate_is_timed_from_its_own_summary_line(sequences):
     r = bench_real.bench_generate("tiny-gptoss", n_decode=6, pp=1, sequences=sequences)
     assert r["decode_tok_s"] > 0 and r["load_s"] > 0
+
+
+def test_a_child_killed_by_a_signal_is_reported_by_name():
+    """A default llama.cpp build dies of SIGILL on some AMX hosts: the report names the signal, not the
+    child's last log line."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", "import os, signal; print('loading'); os.kill(os.getpid(), signal.SIGILL)"],
+                          capture_output=True, text=True)
+    assert bench_real.child_failure(proc.returncode, "llama_kv_cache: a log line\n") == "killed by SIGILL"
+    assert bench_real.child_failure(1, "Traceback\nValueError: bad file\n") == "ValueError: bad file"
+    assert bench_real.child_failure(2, "") == "exit status 2"

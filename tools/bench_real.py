@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,8 +238,20 @@ def run_in_child(engine: str, path: str, folder: str, quick: bool) -> dict | str
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
     result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     if result is None:
-        return "not installed" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return "not installed" if proc.returncode == 0 else child_failure(proc.returncode, proc.stderr)
     return result
+
+
+def child_failure(returncode: int, stderr: str) -> str:
+    """What ended an engine's child: the signal that killed it (a default llama.cpp build dies of SIGILL in its
+    AMX product on some AMX hosts), else the last line it wrote."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return (stderr.strip().splitlines() or [f"exit status {returncode}"])[-1]
 
 
 # ---- the report ------------------------------------------------------------------------------------
