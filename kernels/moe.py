@@ -83,6 +83,11 @@ def activation_code(activation: Callable) -> tuple[int, float, float] | None:
     return None
 
 
+def route_code(route: Callable) -> tuple[bool, bool] | None:
+    """(softmax first, renormalise) of a router as torch_route takes them, or None for any other function."""
+    return {route_softmax_topk: (True, True), route_topk_softmax: (False, False)}.get(route)
+
+
 def slot_limit(x: torch.Tensor, decoding: bool) -> int:
     """The most slots of x's tokens that run as slot products (above)."""
     if not x.is_cuda:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import deltanet as kernels_deltanet, token_calls
 from kernels.deltanet import GatedDeltaNet, causal_conv1d, delta_rule_chunked, delta_rule_recurrent
 from kernels.linear import linear
 
@@ -212,6 +213,21 @@ class DeltaNet:
 
     def decode_done(self, ctx, layer: int) -> None:
         pass
+
+    def token_call(self, norm: torch.Tensor, eps: float) -> token_calls.TokenDeltaNet | None:
+        """`x + self.decode(rms_norm(x, norm, eps), caches)` for one decode token as one C call with the same bits
+        (kernels/token_calls.py), where this layer's calls allow it: the file's V-head order, the compiled decode
+        step, projections that token_calls.row_weights takes. None otherwise."""
+        net = self.net
+        if self.order is not None or token_calls.library() is None or kernels_deltanet.library() is None or \
+                not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+                        for t in (norm, net.taps, net.a, net.dt_bias, net.norm)):
+            return None
+        h = norm.shape[0]
+        inputs, out = token_calls.row_weights(self.inputs, h), token_calls.row_weights(self.out, self.spec.value_dim)
+        if inputs is None or out is None or len(out) != 1:
+            return None
+        return token_calls.TokenDeltaNet(net, norm, eps, inputs, out, h, keep=(self.inputs, self.out))
 
     def _projections(self, x: torch.Tensor):
         """qkv [T, C], z [T, H_v * dv], beta and alpha [T, H_v]: column slices of one product, V heads tiled."""

@@ -86,6 +86,7 @@ class Block:
         self.attn_norm = w(f"blk.{index}.attn_norm.weight")
         self.post_norm = w(f"blk.{index}.post_attention_norm.weight")
         self.mixer, self.ffn = mixer, ffn
+        self._calls = None     # _token_calls, made on first use
 
     @staticmethod
     def norm_shapes(index: int, hidden: int) -> dict:
@@ -104,8 +105,25 @@ class Block:
 
     def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
         """One token of each of x's rows, caches what the mixer's decode_inputs gave (updated in place)."""
-        h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
+        mixer, ffn = self._token_calls(x)
+        if mixer is not None and mixer.takes(x, caches):     # one token on the CPU: the calls below, made from C
+            h = mixer(x, caches)
+        else:
+            h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
+        if ffn is not None and ffn.takes(h):
+            return ffn(h)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps), decoding=True)
+
+    def _token_calls(self, x: torch.Tensor) -> tuple:
+        """(mixer, feed-forward) of an eager CPU decode step's one token as one C call each
+        (kernels/token_calls.py, made on first use), None for a part that has none; (None, None) for other steps."""
+        if x.shape[0] != 1 or not x.is_cpu or torch.compiler.is_compiling():
+            return None, None
+        if self._calls is None:
+            mixer, ffn = getattr(self.mixer, "token_call", None), getattr(self.ffn, "token_ffn", None)
+            self._calls = (None if mixer is None else mixer(self.attn_norm, self.eps),
+                           None if ffn is None else ffn(self.post_norm, self.eps))
+        return self._calls
 
 
 class MixerSpec(Protocol):

@@ -9,9 +9,10 @@ from typing import Callable
 
 import torch
 
-from kernels import blocks, ops
+from kernels import blocks, ops, token_calls
 from kernels.linear import linear
-from kernels.moe import CPU_SLOT_PRODUCTS, GPU_DECODE_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs, swiglu
+from kernels.moe import (CPU_SLOT_PRODUCTS, GPU_DECODE_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs,
+                         route_code, swiglu)
 from kernels.weights import BlockWeight, ConcatWeight
 
 
@@ -126,6 +127,22 @@ class MoE:
         return ((*gate_up, experts.gate_up_bias), (down.raw, down.type, down.quantize_activations, experts.down_bias),
                 (kind, exp_kind, alpha, limit),
                 None if shared is None else (shared.raw, shared.type, shared.quantize_activations))
+
+    def token_ffn(self, norm: torch.Tensor, eps: float) -> token_calls.TokenFFN | None:
+        """`x + self(rms_norm(x, norm, eps))` for one decode token as one C call with the same bits
+        (kernels/token_calls.py), where this layer's calls allow it: the one-call MoE above (token_call), a router
+        that token_calls.row_weights takes, a routing the library computes with this torch's bits. None otherwise."""
+        s = self.spec
+        code = route_code(s.route)
+        if self.token_moe is None or code is None or token_calls.library() is None or norm.dtype != torch.float32:
+            return None
+        router = token_calls.row_weights(self.inputs, self.token_moe.h)
+        kind = token_calls.ROUTES[code]
+        lanes = None if router is None else token_calls.route_lanes(kind, s.n_expert, s.n_used)
+        if lanes is None:
+            return None
+        return token_calls.TokenFFN(self.token_moe, norm.contiguous(), eps, router, self.router_bias, kind, lanes,
+                                    s.n_expert, s.n_used, keep=self.inputs)
 
     def host_free(self, n: int) -> bool:
         """Whether n tokens on a GPU run here without the host reading the routing (what a CUDA graph can

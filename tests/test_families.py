@@ -132,6 +132,7 @@ def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, arc
     from tools.make_tiny import make_tiny
     path = make_tiny(arch, str(tmp_path), gguf_type=kind)
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    monkeypatch.setattr(moe.MoE, "token_ffn", lambda self, norm, eps: None)     # the MoE call itself, from Python
     calls = []
     one_call = blocks.TokenMoE.__call__
     monkeypatch.setattr(blocks.TokenMoE, "__call__", lambda *args: calls.append(1) or one_call(*args))
@@ -141,3 +142,37 @@ def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, arc
     monkeypatch.setattr(moe.MoE, "_token_call", lambda self: None)
     separate = run(open_model(path), prompt, mode=mode, max_tokens=8, logprobs=3)
     assert len(calls) == n and fused == separate
+
+
+@pytest.mark.parametrize("arch, kind", [("qwen35moe", "q8_0"), ("qwen35moe", "f32"), ("gptoss", "f32")])
+@pytest.mark.parametrize("mode", ["auto", "float32"])
+def test_decode_token_layers_in_c_calls_keep_every_bit(tmp_path, monkeypatch, arch, kind, mode):
+    """A batch-1 decode step runs each layer's feed-forward in one C call (token_calls.TokenFFN: the post-attention
+    RMSNorm, the router's product, the routing in C, the experts and the residual sum) where the experts are GGML
+    blocks, and each Gated DeltaNet mixer in another (TokenDeltaNet: the input RMSNorm, the projections, the
+    DeltaNet step, the out projection, the residual sum); the tokens and logprobs are those of the separate calls,
+    bit for bit, greedy and sampled."""
+    from kernels import token_calls
+    from stages import family
+    from stages.deltanet import DeltaNetSpec
+    from tools.make_tiny import make_tiny
+    path = make_tiny(arch, str(tmp_path), gguf_type=kind)
+    prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    calls = {"ffn": 0, "deltanet": 0}
+    for name, cls in (("ffn", token_calls.TokenFFN), ("deltanet", token_calls.TokenDeltaNet)):
+        def counted(*args, name=name, call=cls.__call__):
+            calls[name] += 1
+            return call(*args)
+        monkeypatch.setattr(cls, "__call__", counted)
+    files = open_model(path)
+    fused = [run(files, prompt, mode=mode, max_tokens=8, logprobs=3, temperature=t, seed=7) for t in (0, 1)]
+    steps = 2 * 7         # decode steps: each request's tokens after its first
+    deltanet_layers = sum(isinstance(files.family.layer_mixer(files.config, i), DeltaNetSpec)
+                          for i in range(files.n_layers))
+    assert calls["deltanet"] >= steps * deltanet_layers
+    assert calls["ffn"] >= (steps * files.n_layers if kind == "q8_0" or arch == "gptoss" else 0)
+    assert (calls["deltanet"] > 0) == (arch == "qwen35moe")
+    counted_calls = dict(calls)
+    monkeypatch.setattr(family.Block, "_token_calls", lambda self, x: (None, None))
+    separate = [run(files, prompt, mode=mode, max_tokens=8, logprobs=3, temperature=t, seed=7) for t in (0, 1)]
+    assert calls == counted_calls and fused == separate

@@ -2880,3 +2880,185 @@ int raymoe_moe_token(const float *x, int64_t h, int64_t k, const int64_t *expert
     raymoe_moe_combine(1, k, h, rows, w, shared_gate_up ? gate : NULL, 1, shared, out);
     return 0;
 }
+
+/* ---- a decode token's feed-forward in one call ------------------------------------------------------ */
+
+/* torch's float32 reduction of n values over `lanes` vector lanes (ATen's vec::reduce_all): lane l takes values
+ * l, l + lanes, ... in turn, then the lanes are halved pairwise (lane l with l + lanes / 2, ...); fewer values
+ * than lanes are taken one after another. is_max: the maximum (NaN wins, as vec::maximum), else the sum. */
+static float reduce_lanes(const float *x, int64_t n, int lanes, int is_max) {
+#define REDUCE(a, b) (is_max ? (((a) > (b) || (a) != (a)) ? (a) : (b)) : (a) + (b))
+    float acc[16];
+    if (n < lanes) {
+        float a = x[0];
+        for (int64_t i = 1; i < n; i++) a = REDUCE(a, x[i]);
+        return a;
+    }
+    for (int l = 0; l < lanes; l++) acc[l] = x[l];
+    int64_t d = lanes;
+    for (; d + lanes <= n; d += lanes)
+        for (int l = 0; l < lanes; l++) acc[l] = REDUCE(acc[l], x[d + l]);
+    for (int l = 0; d + l < n; l++) acc[l] = REDUCE(acc[l], x[d + l]);
+    for (int s = lanes / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++) acc[l] = REDUCE(acc[l], acc[l + s]);
+    return acc[0];
+#undef REDUCE
+}
+
+/* torch.softmax of n float32 values on the CPU (ATen's _vec_softmax_lastdim): exp(x - max) by vector_expf,
+ * each times 1 / their sum. */
+static void torch_softmax(const float *x, int64_t n, int lanes, float *y) {
+    const float mx = reduce_lanes(x, n, lanes, 1);
+    for (int64_t i = 0; i < n; i++) y[i] = vector_expf(x[i] - mx);
+    const float r = 1.0f / reduce_lanes(y, n, lanes, 0);
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] * r;
+}
+
+/* ids[0..k) of the k largest of x[0..n) in descending order (NaN above all, the lower index first among equals),
+ * their values in top. */
+static void top_k(const float *x, int64_t n, int64_t k, float *top, int64_t *ids) {
+    uint8_t taken[1024] = {0};
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            if (taken[i]) continue;
+            if (best < 0 || (x[i] != x[i] && x[best] == x[best]) || x[i] > x[best]) best = i;
+        }
+        taken[best] = 1;
+        ids[j] = best;
+        top[j] = x[best];
+    }
+}
+
+/* A token's routing from its router logits [n] (n <= 1024, k <= 64), as kernels/moe.py's torch_route computes
+ * it with torch's kernels of `lanes` float lanes: kind 0 softmax, top k, the k divided by their sum (Qwen);
+ * kind 1 the same without the division; kind 2 top k of the logits, softmax over them (gpt-oss). */
+static void route_token(int kind, int lanes, const float *logits, int64_t n, int64_t k, float *w, int64_t *ids) {
+    float buf[1024];
+    if (kind == 2) {
+        top_k(logits, n, k, buf, ids);
+        torch_softmax(buf, k, lanes, w);
+        return;
+    }
+    torch_softmax(logits, n, lanes, buf);
+    top_k(buf, n, k, w, ids);
+    if (kind == 0) {
+        float sum = w[0];       /* torch.sum of a few values: one after another */
+        for (int64_t j = 1; j < k; j++) sum += w[j];
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / sum;
+    }
+}
+
+/* route_token for each of `rows` rows of logits [rows, n] into w, ids [rows, k]: exported so that the caller can
+ * compare it with torch's own routing on this host. Returns -1 for sizes out of range. */
+int raymoe_route(int kind, int lanes, const float *logits, int64_t rows, int64_t n, int64_t k, float *w,
+                 int64_t *ids) {
+    if (n < 1 || n > 1024 || k < 1 || k > 64 || k > n || (lanes != 8 && lanes != 16)) return -1;
+    for (int64_t r = 0; r < rows; r++) route_token(kind, lanes, logits + r * n, n, k, w + r * k, ids + r * k);
+    return 0;
+}
+
+typedef void (*rms_norm_fn)(const float *x, int64_t m, int64_t k, const float *w, float eps, float *y);
+typedef void (*f32_rows_fn)(const float *x, int64_t ldx, const float *w, int64_t w_stride, const int64_t *groups,
+                            int64_t count, int64_t n, int64_t k, float *y, int64_t ldy);
+typedef int (*dn_decode_fn)(int64_t n, const int64_t *rows, const float *qkv, const float *z, const float *beta,
+                            const float *alpha, int64_t ld, const float *taps, int64_t K, float *conv_states,
+                            float *states, const float *a, const float *dt_bias, const float *norm, float eps, int64_t nk,
+                            int64_t nv, int64_t dk, int64_t dv, float *out, int64_t ld_out);
+
+/* A weight of a one-row product: float32 rows [n, k] (few_rows.c's raymoe_f32_grouped) or GGML blocks. */
+typedef struct {
+    int blocks, type, quantize;     /* blocks: GGML blocks of `type` (raymoe_blocks_grouped), else float32 */
+    const void *w;
+    int64_t n, stride;              /* rows; bytes from one row to the next (blocks) */
+} row_weight;
+
+/* y [width] = x [k] times the weights' rows, each weight into the columns after the one before: the calls that
+ * one-row products make (the same arguments, so the same bits). Returns 0, or -1 when out of memory. */
+static int row_products(f32_rows_fn f32_rows, const row_weight *weights, int64_t count, const float *x, int64_t k,
+                        float *y, int64_t width) {
+    static const int64_t one_row[3] = {0, 0, 1};
+    int64_t column = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const row_weight *p = &weights[i];
+        if (!p->blocks)
+            f32_rows(x, k, (const float *)p->w, 0, one_row, 1, p->n, k, y + column, width);
+        else if (raymoe_blocks_grouped(p->type, p->quantize, x, 1, k, (const uint8_t *)p->w, p->stride, NULL, 0, p->n,
+                                       one_row, 1, p->n, k, y + column, width))
+            return -1;
+        column += p->n;
+    }
+    return 0;
+}
+
+/* A layer's feed-forward for one decode token: the post-attention RMSNorm, the router's product (its columns:
+ * the logits, then with a shared expert its gate and its gate/up), the routing, then raymoe_moe_token. The
+ * functions of the other libraries come as pointers: the same calls as the separate ops make. */
+typedef struct {
+    rms_norm_fn rms_norm;
+    f32_rows_fn f32_rows;
+    const float *norm;
+    float eps, alpha, limit;
+    int route, lanes, act, exp_kind;
+    int64_t h, parts, width, experts, k, ff, sff;
+    row_weight part[4];             /* the router's product */
+    const float *bias;              /* the router's bias [width], or NULL */
+    moe_weight gate_up, down, shared;
+    float *scratch;                 /* raymoe_token_ffn_scratch floats */
+} token_ffn;
+
+int64_t raymoe_token_ffn_scratch(int64_t h, int64_t width, int64_t k, int64_t ff, int64_t sff) {
+    return 2 * 64 + 64 + h + width + k * (3 * ff + h) + sff + h + h;
+}
+
+/* out [h] = x + the feed-forward of x [h] (one token): Block.decode's `h + ffn(rms_norm(h))` in one call, with the
+ * bits of the separate calls. Returns 0, or -1 when out of memory. */
+int raymoe_token_ffn(const token_ffn *f, const float *x, float *out) {
+    const int64_t h = f->h, k = f->k;
+    int64_t *ids = (int64_t *)f->scratch;
+    float *w = f->scratch + 2 * 64, *xn = w + 64, *y = xn + h, *moe_scratch = y + f->width,
+          *moe = moe_scratch + k * (3 * f->ff + h) + f->sff + h;
+    f->rms_norm(x, 1, h, f->norm, f->eps, xn);
+    if (row_products(f->f32_rows, f->part, f->parts, xn, h, y, f->width)) return -1;
+    if (f->bias)
+        for (int64_t i = 0; i < f->width; i++) y[i] += f->bias[i];
+    route_token(f->route, f->lanes, y, f->experts, k, w, ids);
+    const float *shared_gate_up = f->sff ? y + f->experts + 1 : NULL;
+    if (raymoe_moe_token(xn, h, k, ids, w, &f->gate_up, f->ff, &f->down, f->act, f->exp_kind, f->alpha, f->limit,
+                         shared_gate_up, f->sff, f->sff ? &f->shared : NULL, f->sff ? y + f->experts : NULL,
+                         moe_scratch, moe))
+        return -1;
+    for (int64_t i = 0; i < h; i++) out[i] = x[i] + moe[i];
+    return 0;
+}
+
+/* A Gated DeltaNet layer's mixer for one decode token: the input RMSNorm, the input projections ([qkv | z | beta |
+ * alpha] columns), deltanet.c's raymoe_dn_decode (its pointer: that library's call), the out projection. */
+typedef struct {
+    rms_norm_fn rms_norm;
+    f32_rows_fn f32_rows;
+    dn_decode_fn dn_decode;
+    const float *norm, *taps, *a, *dt_bias, *dn_norm;
+    float eps, dn_eps;
+    int64_t h, parts, width, K, nk, nv, dk, dv;
+    row_weight part[4], out;        /* the input projections; the out projection [h, nv dv] */
+    float *scratch;                 /* h + width + nv dv + h floats */
+} token_deltanet;
+
+/* out [h] = x + the DeltaNet mixer of x [h] (one token), its caches conv_states [K-1, C] and states [nv, dk, dv]
+ * updated in place: Block.decode's `x + mixer(rms_norm(x))` in one call, with the bits of the separate calls.
+ * Returns 0, or -1 when out of memory. */
+int raymoe_token_deltanet(const token_deltanet *d, const float *x, float *conv_states, float *states, float *out) {
+    static const int64_t first_row = 0;
+    const int64_t h = d->h, key_dim = d->nk * d->dk, values = d->nv * d->dv, conv_dim = 2 * key_dim + values;
+    float *xn = d->scratch, *y = xn + h, *o = y + d->width, *mix = o + values;
+    d->rms_norm(x, 1, h, d->norm, d->eps, xn);
+    if (row_products(d->f32_rows, d->part, d->parts, xn, h, y, d->width)) return -1;
+    if (d->dn_decode(1, &first_row, y, y + conv_dim, y + conv_dim + values, y + conv_dim + values + d->nv, d->width,
+                     d->taps, d->K, conv_states, states, d->a, d->dt_bias, d->dn_norm, d->dn_eps, d->nk, d->nv, d->dk,
+                     d->dv, o, values))
+        return -1;
+    if (row_products(d->f32_rows, &d->out, 1, o, values, mix, h)) return -1;
+    for (int64_t i = 0; i < h; i++) out[i] = x[i] + mix[i];
+    return 0;
+}

@@ -1,0 +1,247 @@
+"""A decode token's layer in two C calls (kernels/csrc/blocks.c): its mixer (`x + mixer(rms_norm(x))`, Gated
+DeltaNet layers) and its feed-forward (`h + moe(rms_norm(h))`).
+
+A batch-1 decode step on the CPU runs each layer as a dozen small calls from Python: RMSNorm, products, a split,
+the routing's torch operations, the experts, the residual sums. Each product streams megabytes through the caches,
+so each Python call after it starts cold; together they took about a tenth of a full-size Qwen3.5-35B-A3B step.
+Here the same calls are made from C, with the same arguments: the bits are those of the separate calls. The
+functions of the other libraries (norms.c's RMSNorm, few_rows.c's float32 rows, deltanet.c's decode step) come
+as pointers; the routing is done in C the way torch computes it (route_lanes checks that it gives this torch's
+bits here, else the layer keeps its separate calls).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+
+import torch
+
+from . import blocks, native
+from .blocks import MoEWeight, TokenMoE
+from .weights import BlockWeight, ConcatWeight, DenseWeight
+
+log = logging.getLogger(__name__)
+
+# (softmax first, renormalise) as kernels.moe.torch_route takes them -> raymoe_route's kind
+ROUTES = {(True, True): 0, (True, False): 1, (False, False): 2}
+MAX_EXPERTS, MAX_USED = 1024, 64        # what the library's routing takes
+
+
+class RowWeight(ctypes.Structure):
+    """blocks.c's row_weight: a weight of a one-row product, float32 rows or GGML blocks."""
+    _fields_ = [("blocks", ctypes.c_int), ("type", ctypes.c_int), ("quantize", ctypes.c_int), ("w", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("stride", ctypes.c_int64)]
+
+
+class TokenFFNCall(ctypes.Structure):
+    """blocks.c's token_ffn."""
+    _fields_ = [("rms_norm", ctypes.c_void_p), ("f32_rows", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("route", ctypes.c_int),
+                ("lanes", ctypes.c_int), ("act", ctypes.c_int), ("exp_kind", ctypes.c_int), ("h", ctypes.c_int64),
+                ("parts", ctypes.c_int64), ("width", ctypes.c_int64), ("experts", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("ff", ctypes.c_int64), ("sff", ctypes.c_int64), ("part", RowWeight * 4),
+                ("bias", ctypes.c_void_p), ("gate_up", MoEWeight), ("down", MoEWeight), ("shared", MoEWeight),
+                ("scratch", ctypes.c_void_p)]
+
+
+class TokenDeltaNetCall(ctypes.Structure):
+    """blocks.c's token_deltanet."""
+    _fields_ = [("rms_norm", ctypes.c_void_p), ("f32_rows", ctypes.c_void_p), ("dn_decode", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("taps", ctypes.c_void_p), ("a", ctypes.c_void_p),
+                ("dt_bias", ctypes.c_void_p), ("dn_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("dn_eps", ctypes.c_float), ("h", ctypes.c_int64), ("parts", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("nk", ctypes.c_int64), ("nv", ctypes.c_int64), ("dk", ctypes.c_int64),
+                ("dv", ctypes.c_int64), ("part", RowWeight * 4), ("out", RowWeight), ("scratch", ctypes.c_void_p)]
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The block library with these calls set up, where it and the other libraries they call are built here."""
+    from . import norms
+    lib = blocks.library()
+    if lib is None or norms._library() is None:
+        return None
+    p, i, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.raymoe_route.argtypes = [c, c, p, i, i, i, p, p]
+    lib.raymoe_route.restype = c
+    lib.raymoe_token_ffn_scratch.argtypes = [i, i, i, i, i]
+    lib.raymoe_token_ffn_scratch.restype = i
+    lib.raymoe_token_ffn.argtypes = [ctypes.POINTER(TokenFFNCall), p, p]
+    lib.raymoe_token_ffn.restype = c
+    lib.raymoe_token_deltanet.argtypes = [ctypes.POINTER(TokenDeltaNetCall), p, p, p, p]
+    lib.raymoe_token_deltanet.restype = c
+    return lib
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of a library's function, for the calls that call it."""
+    return ctypes.cast(lib[name], ctypes.c_void_p).value
+
+
+def _rms_norm() -> int:
+    from . import norms
+    return _address(norms._library(), "raymoe_rms_norm")
+
+
+def _f32_rows() -> int | None:
+    lib = native.few_rows()
+    return None if lib is None else _address(lib, "raymoe_f32_grouped")
+
+
+def row_weights(weight, k: int) -> list[RowWeight] | None:
+    """A weight [N, k] as the library's one-row products take it, in column order (a ConcatWeight's parts), where
+    its one-row products make those calls: float32 rows where dense products take few_rows.c's kernel
+    (kernels/dense.py), GGML blocks on the CPU (blocks.RowProduct). None for anything else."""
+    if isinstance(weight, ConcatWeight) and weight.pair:
+        return None
+    parts = weight.parts if isinstance(weight, ConcatWeight) else [weight]
+    f32 = native.few_rows() is not None and not native.blas_has_own_threads()
+    out = []
+    for part in parts:
+        if type(part) is DenseWeight and f32 and part.t.is_cpu and part.t.shape[-1:] == (k,) and part.t.dim() == 2 \
+                and part.t.is_contiguous():
+            out.append(RowWeight(0, 0, 0, part.t.data_ptr(), part.t.shape[0], 0))
+        elif type(part) is BlockWeight and part.raw.is_cpu and not part.split and part.k == k and part.raw.dim() == 2 \
+                and part.raw.shape[0] and part.raw.is_contiguous() and blocks.supported(part.type) \
+                and part.raw.shape[1] == blocks.row_bytes(part.type, k):
+            out.append(RowWeight(1, part.type, int(part.quantize_activations), part.raw.data_ptr(), part.raw.shape[0],
+                                 part.raw.stride(0)))
+        else:
+            return None
+    return out if len(out) <= 4 else None
+
+
+def _parts(call, weights: list[RowWeight]) -> int:
+    for i, weight in enumerate(weights):
+        call.part[i] = weight
+    return sum(weight.n for weight in weights)
+
+
+class TokenFFN:
+    """A layer's feed-forward for one decode token in one call (raymoe_token_ffn): `x + moe(rms_norm(x))`, the
+    post-attention norm, the router's product, the routing and moe_token. moe: the layer's blocks.TokenMoE; norm
+    and eps: the norm's float32 weight and epsilon; router: row_weights of the router's product (the logits, then
+    with a shared expert its gate and gate/up); bias: the router's [width] or None; route and lanes: raymoe_route's
+    kind and lanes (route_lanes); experts and k: the routed experts and how many a token takes. `keep`: what the
+    weights' pointers point into (kept alive here)."""
+
+    def __init__(self, moe: TokenMoE, norm: torch.Tensor, eps: float, router: list[RowWeight],
+                 bias: torch.Tensor | None, route: int, lanes: int, experts: int, k: int, keep=()):
+        lib = library()
+        h = moe.h
+        call = TokenFFNCall(rms_norm=_rms_norm(), f32_rows=_f32_rows(), norm=norm.data_ptr(), eps=eps,
+                            alpha=moe.activation[2], limit=moe.activation[3], route=route, lanes=lanes,
+                            act=moe.activation[0], exp_kind=moe.activation[1], h=h, parts=len(router), experts=experts,
+                            k=k, ff=moe.ff, sff=moe.sff, bias=None if bias is None else bias.data_ptr(),
+                            gate_up=moe.gate_up, down=moe.down)
+        call.width = width = _parts(call, router)
+        if moe.shared is not None:
+            call.shared = moe.shared
+        if experts + (1 + 2 * moe.sff if moe.sff else 0) != width or moe.experts != experts or \
+                not 0 < k <= min(experts, MAX_USED) or experts > MAX_EXPERTS:
+            raise ValueError(f"a router of {width} columns for {experts} experts ({moe.experts} in the weights), "
+                             f"{k} a token, shared expert {moe.sff} wide")
+        _check_vector(norm, h, "the norm's weight")
+        if bias is not None:
+            _check_vector(bias, width, "the router's bias")
+        self.scratch = torch.empty(lib.raymoe_token_ffn_scratch(h, width, k, moe.ff, moe.sff))
+        call.scratch = self.scratch.data_ptr()
+        self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_ffn
+        self.keep = (call, moe, norm, bias, keep)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return _one_row(x, self.h)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: one token [1, h] that `takes` passed."""
+        out = x.new_empty(1, self.h)
+        blocks._status(self.run(self.ref, x.data_ptr(), out.data_ptr()))
+        return out
+
+
+class TokenDeltaNet:
+    """A Gated DeltaNet layer's mixer for one decode token in one call (raymoe_token_deltanet): `x +
+    mixer(rms_norm(x))`. net: its kernels.deltanet.GatedDeltaNet; norm and eps: the input norm's float32 weight and
+    epsilon; inputs: row_weights of the input projections ([qkv | z | beta | alpha], V heads tiled); out: of the out
+    projection (one weight); h: the hidden size. `keep`: what the weights' pointers point into."""
+
+    def __init__(self, net, norm: torch.Tensor, eps: float, inputs: list[RowWeight], out: list[RowWeight], h: int,
+                 keep=()):
+        from . import deltanet
+        lib = library()
+        nk, nv, dk, dv = net.n_k_heads, net.n_v_heads, net.k_head_dim, net.v_head_dim
+        self.conv_shape = (1, net.conv.shape[1] - 1, net.conv.shape[0])
+        self.state_shape = (1, nv, dk, dv)
+        call = TokenDeltaNetCall(rms_norm=_rms_norm(), f32_rows=_f32_rows(),
+                                 dn_decode=_address(deltanet.library(), "raymoe_dn_decode"), norm=norm.data_ptr(),
+                                 taps=net.taps.data_ptr(), a=net.a.data_ptr(), dt_bias=net.dt_bias.data_ptr(),
+                                 dn_norm=net.norm.data_ptr(), eps=eps, dn_eps=net.eps, h=h, parts=len(inputs),
+                                 K=net.conv.shape[1], nk=nk, nv=nv, dk=dk, dv=dv)
+        call.width = width = _parts(call, inputs)
+        if width != 2 * nk * dk + 2 * nv * dv + 2 * nv or len(out) != 1 or out[0].n != h:
+            raise ValueError(f"input projections of {width} columns, an out projection of {len(out)} parts, for "
+                             f"{nk}x{dk} key and {nv}x{dv} value heads and {h} hidden")
+        call.out = out[0]
+        _check_vector(norm, h, "the norm's weight")
+        for t, size, what in ((net.taps, net.conv.numel(), "taps"), (net.a, nv, "a"), (net.dt_bias, nv, "dt_bias"),
+                              (net.norm, dv, "the output norm")):
+            _check_vector(t.view(-1) if t.is_contiguous() else t, size, what)
+        self.scratch = torch.empty(h + width + nv * dv + h)
+        call.scratch = self.scratch.data_ptr()
+        self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_deltanet
+        self.keep = (call, net, norm, keep)
+
+    def takes(self, x: torch.Tensor, caches) -> bool:
+        conv, state = caches
+        return _one_row(x, self.h) and all(
+            t.dtype == torch.float32 and t.is_cpu and t.shape == shape and t.is_contiguous()
+            for t, shape in ((conv, self.conv_shape), (state, self.state_shape)))
+
+    def __call__(self, x: torch.Tensor, caches) -> torch.Tensor:
+        """x: one token [1, h] and its caches (conv [1, K-1, C], state [1, H_v, dk, dv]) that `takes` passed; the
+        caches are updated in place."""
+        conv, state = caches
+        out = x.new_empty(1, self.h)
+        blocks._status(self.run(self.ref, x.data_ptr(), conv.data_ptr(), state.data_ptr(), out.data_ptr()))
+        return out
+
+
+def _one_row(x: torch.Tensor, h: int) -> bool:
+    return x.dtype == torch.float32 and x.is_cpu and x.shape == (1, h) and x.is_contiguous()
+
+
+def _check_vector(t: torch.Tensor, n: int, what: str) -> None:
+    if t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() or not t.is_cpu:
+        raise ValueError(f"{what} must be contiguous float32 [{n}], got {t.dtype} {tuple(t.shape)}")
+
+
+def route_lanes(kind: int, experts: int, k: int) -> int | None:
+    """The float lanes (16 or 8) with which the library's routing of `kind` (ROUTES) gives the bits of
+    kernels.moe.torch_route here, for one token's logits of `experts` values and k chosen; None where neither
+    does (the routing stays torch's). Its softmax follows ATen's: reductions over the lanes of torch's vector
+    kernels (16 with AVX-512, 8 with AVX2), SLEEF's exp; checked against this torch on random logits. Ties among
+    the logits (which random logits do not have) may be ordered otherwise than torch.topk orders them."""
+    lib = library()
+    if lib is None or not 0 < k <= min(experts, MAX_USED) or experts > MAX_EXPERTS:
+        return None
+    return _route_lanes(lib, kind, experts, k)
+
+
+@lru_cache(maxsize=None)
+def _route_lanes(lib: ctypes.CDLL, kind: int, experts: int, k: int) -> int | None:
+    from .moe import torch_route
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1, experts, generator=g) * scale for scale in (0.1, 1, 4, 16) for _ in range(64)]
+    softmax_first, renormalise = next(key for key, value in ROUTES.items() if value == kind)
+    want = [torch_route(row, k, softmax_first, renormalise) for row in rows]
+    logits = torch.cat(rows)
+    for lanes in (16, 8):
+        w, ids = torch.empty(len(rows), k), torch.empty(len(rows), k, dtype=torch.int64)
+        lib.raymoe_route(kind, lanes, logits.data_ptr(), len(rows), experts, k, w.data_ptr(), ids.data_ptr())
+        if all(torch.equal(ids[i:i + 1], want_ids) and torch.equal(w[i:i + 1].view(torch.int32),
+                                                                  want_w.view(torch.int32))
+               for i, (want_w, want_ids) in enumerate(want)):
+            return lanes
+    log.info("the routing in C does not give this torch's bits: a decode token's feed-forward takes separate calls")
+    return None

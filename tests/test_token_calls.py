@@ -1,0 +1,33 @@
+"""kernels/token_calls.py: the routing in C against torch's (the layers' bits: tests/test_families.py)."""
+import pytest
+import torch
+
+from kernels import token_calls
+
+
+@pytest.mark.parametrize("kind, experts, k", [(0, 256, 8), (1, 128, 8), (2, 32, 4), (0, 60, 4)])
+def test_routing_in_c_gives_torch_bits(kind, experts, k):
+    """The library's routing (raymoe_route, a decode token's feed-forward in one call) is torch_route's, bit for bit:
+    ATen's softmax reduced over the lanes of this torch's vector kernels (16 with AVX-512, 8 with AVX2), the top k,
+    Qwen's renormalisation; the lanes found at load are this torch's, and the other count gives other bits."""
+    from kernels.moe import torch_route
+    lib = token_calls.library()
+    capability = torch.backends.cpu.get_cpu_capability()
+    lanes = token_calls.route_lanes(kind, experts, k)
+    if capability not in ("AVX2", "AVX512"):
+        assert lanes is None        # torch's generic kernels: the routing stays torch's
+        return
+    assert lanes == (16 if capability == "AVX512" or kind == 2 else 8)
+    g = torch.Generator().manual_seed(kind)
+    logits = torch.cat([torch.randn(300, experts, generator=g) * scale for scale in (0.3, 3, 30)])
+    logits[5, 7] = float("-inf")
+    softmax_first, renormalise = next(key for key, value in token_calls.ROUTES.items() if value == kind)
+    for lane_count, same in ((lanes, True), (24 - lanes, kind == 2)):
+        w, ids = torch.empty(len(logits), k), torch.empty(len(logits), k, dtype=torch.int64)
+        assert lib.raymoe_route(kind, lane_count, logits.data_ptr(), len(logits), experts, k, w.data_ptr(),
+                                ids.data_ptr()) == 0
+        rows = [torch_route(logits[i:i + 1], k, softmax_first, renormalise) for i in range(len(logits))]
+        want_w, want_ids = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        assert torch.equal(ids, want_ids)
+        # gpt-oss's softmax over its k < 8 chosen logits reduces them one after another with either lane count
+        assert torch.equal(w.view(torch.int32), want_w.view(torch.int32)) == same
