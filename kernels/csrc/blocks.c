@@ -2881,7 +2881,7 @@ int raymoe_moe_token(const float *x, int64_t h, int64_t k, const int64_t *expert
     return 0;
 }
 
-/* ---- a decode token's feed-forward in one call ------------------------------------------------------ */
+/* ---- a decode token's layer in two calls: its DeltaNet mixer, its feed-forward --------------------- */
 
 /* torch's float32 reduction of n values over `lanes` vector lanes (ATen's vec::reduce_all): lane l takes values
  * l, l + lanes, ... in turn, then the lanes are halved pairwise (lane l with l + lanes / 2, ...); fewer values
