@@ -55,6 +55,18 @@ class TokenDeltaNetCall(ctypes.Structure):
                 ("dv", ctypes.c_int64), ("part", RowWeight * 4), ("out", RowWeight), ("scratch", ctypes.c_void_p)]
 
 
+class TokenAttentionCall(ctypes.Structure):
+    """blocks.c's token_attention."""
+    _fields_ = [("rms_norm", ctypes.c_void_p), ("f32_rows", ctypes.c_void_p), ("rope", ctypes.c_void_p),
+                ("attention", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p),
+                ("sinks", ctypes.c_void_p), ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("gate", ctypes.c_int), ("h", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64),
+                ("window", ctypes.c_int64), ("parts", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("part", RowWeight * 4), ("out", RowWeight), ("scratch", ctypes.c_void_p)]
+
+
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
     """The block library with these calls set up, where it and the other libraries they call are built here."""
@@ -71,6 +83,10 @@ def library() -> ctypes.CDLL | None:
     lib.raymoe_token_ffn.restype = c
     lib.raymoe_token_deltanet.argtypes = [ctypes.POINTER(TokenDeltaNetCall), p, p, p, p]
     lib.raymoe_token_deltanet.restype = c
+    lib.raymoe_token_attention.argtypes = [ctypes.POINTER(TokenAttentionCall), p, p, p, i, i, p, p, p, i, p]
+    lib.raymoe_token_attention.restype = c
+    lib.raymoe_gate_rows.argtypes = [p, p, i, p]
+    lib.raymoe_gate_rows.restype = None
     return lib
 
 
@@ -205,6 +221,85 @@ class TokenDeltaNet:
         out = x.new_empty(1, self.h)
         blocks._status(self.run(self.ref, x.data_ptr(), conv.data_ptr(), state.data_ptr(), out.data_ptr()))
         return out
+
+
+class TokenAttention:
+    """An attention layer's mixer for one decode token in one call (raymoe_token_attention): `x +
+    mixer(rms_norm(x))`. attn: its stages.attention.Attention; norm and eps: the input norm's float32 weight and
+    epsilon; qkv, out: row_weights of its q/k/v and out products; h: the hidden size. `keep`: what the weights'
+    pointers point into."""
+
+    def __init__(self, attn, norm: torch.Tensor, eps: float, qkv: list[RowWeight], out: list[RowWeight], h: int,
+                 keep=()):
+        from . import attention, rope
+        lib, s = library(), attn.spec
+        self.heads, self.kv_heads, self.d = s.n_head, s.n_kv_head, s.head_dim
+        qd, kvd = s.n_head * s.head_dim, s.n_kv_head * s.head_dim
+        call = TokenAttentionCall(rms_norm=_rms_norm(), f32_rows=_f32_rows(),
+                                  rope=_address(rope._library(), "raymoe_rope"),
+                                  attention=_address(attention._library(), "raymoe_attention_rows"),
+                                  norm=norm.data_ptr(), eps=eps, qk_eps=attn.eps, scale=s.head_dim ** -0.5,
+                                  gate=int(s.output_gate), h=h, heads=s.n_head, kv_heads=s.n_kv_head, d=s.head_dim,
+                                  window=attn.window or 0, parts=len(qkv))
+        call.width = width = _parts(call, qkv)
+        if width != (2 if s.output_gate else 1) * qd + 2 * kvd or len(out) != 1 or out[0].n != h:
+            raise ValueError(f"a q/k/v product of {width} columns, an out product of {len(out)} parts, for "
+                             f"{s.n_head} and {s.n_kv_head} heads of {s.head_dim} and {h} hidden")
+        call.out = out[0]
+        _check_vector(norm, h, "the norm's weight")
+        for name, t, n in (("q_norm", attn.q_norm, s.head_dim), ("k_norm", attn.k_norm, s.head_dim),
+                           ("qkv_bias", attn.qkv_bias, width), ("o_bias", attn.o_bias, h),
+                           ("sinks", attn.sinks, s.n_head)):
+            if t is not None:
+                _check_vector(t, n, name)
+                setattr(call, name, t.data_ptr())
+        self.scratch = torch.empty(h + width + 5 * qd + kvd + h)
+        call.scratch = self.scratch.data_ptr()
+        self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_attention
+        self.keep = (call, attn, norm, keep)
+
+    def takes(self, x: torch.Tensor, inputs) -> bool:
+        """Whether x [1, h] and decode_inputs' (positions, cos, sin, kv) are what the call reads: one sequence, its
+        cache's new row reserved (not a row given as a tensor), contiguous float32 and int64 tensors."""
+        positions, cos, sin, kv = inputs
+        if not _one_row(x, self.h) or len(kv) != 1 or positions.shape != (1,) or positions.dtype != torch.int64:
+            return False
+        keys, values, k_pos, row = kv[0]
+        shape = (keys.shape[0], self.kv_heads, self.d)
+        return (row is None and keys.shape == shape and values.shape == shape and k_pos.shape == shape[:1]
+                and k_pos.dtype == torch.int64 and cos.shape == sin.shape and cos.dim() == 2 and cos.shape[0] == 1
+                and cos.shape[1] % 2 == 0 and cos.shape[1] <= self.d
+                and all(t.is_cpu and t.is_contiguous() for t in (positions, keys, values, k_pos, cos, sin))
+                and all(t.dtype == torch.float32 for t in (keys, values, cos, sin)))
+
+    def __call__(self, x: torch.Tensor, inputs) -> torch.Tensor:
+        """x: one token [1, h] and its decode_inputs that `takes` passed; the cache's new row is written."""
+        positions, cos, sin, kv = inputs
+        keys, values, k_pos, _ = kv[0]
+        out = x.new_empty(1, self.h)
+        blocks._status(self.run(self.ref, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+                                int(positions[0]), keys.data_ptr(), values.data_ptr(), k_pos.data_ptr(), keys.shape[0],
+                                out.data_ptr()))
+        return out
+
+
+def gate_matches() -> bool:
+    """Whether the library's `x * sigmoid(g)` (Qwen's attention output gate) gives torch's bits here."""
+    lib = library()
+    return lib is not None and _gate_matches(lib)
+
+
+@lru_cache(maxsize=None)
+def _gate_matches(lib: ctypes.CDLL) -> bool:
+    from .pointwise import sigmoid
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.randn(4096, generator=g) * scale for scale in (1, 4, 30, 120)] +
+                     [torch.tensor([0.0, -0.0, 87.5, -87.5, 88.7, -88.7, 103.9, -103.9, 104.1, -104.1, 150.0, -150.0,
+                                    float("inf"), float("-inf")] * 8)])
+    x = torch.randn(gate.shape, generator=g)
+    want, got = x * sigmoid(gate), torch.empty_like(x)
+    lib.raymoe_gate_rows(x.data_ptr(), gate.data_ptr(), x.numel(), got.data_ptr())
+    return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def _one_row(x: torch.Tensor, h: int) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import attention as kernels_attention, rope as kernels_rope, token_calls
 from kernels.attention import attention
 from kernels.linear import linear
 from kernels.norms import rms_norm
@@ -133,6 +134,23 @@ class Attention:
     def decode_done(self, ctx, layer: int) -> None:
         for sid in ctx.batch.seq_ids:
             ctx.caches[sid][layer].trim()
+
+    def token_call(self, norm: torch.Tensor, eps: float) -> token_calls.TokenAttention | None:
+        """`x + self.decode(rms_norm(x, norm, eps), inputs)` for one decode token as one C call with the same bits
+        (kernels/token_calls.py), where this layer's calls allow it: the compiled RoPE and attention kernels, float32
+        norms, biases and sinks, products that token_calls.row_weights takes, Qwen's output gate where the library
+        computes torch's sigmoid. None otherwise."""
+        s = self.spec
+        small = [t for t in (norm, self.q_norm, self.k_norm, self.qkv_bias, self.o_bias, self.sinks) if t is not None]
+        if token_calls.library() is None or kernels_attention._library() is None or kernels_rope._library() is None \
+                or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in small) \
+                or (s.output_gate and not token_calls.gate_matches()):
+            return None
+        h = norm.shape[0]
+        qkv, out = token_calls.row_weights(self.qkv, h), token_calls.row_weights(self.o, s.n_head * s.head_dim)
+        if qkv is None or out is None or len(out) != 1:
+            return None
+        return token_calls.TokenAttention(self, norm, eps, qkv, out, h, keep=(self.qkv, self.o))
 
     def _rope(self, positions: torch.Tensor, memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
         # one table per step, shared by every layer (the parameters are the model's, not the layer's)

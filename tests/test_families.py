@@ -147,19 +147,22 @@ def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, arc
 @pytest.mark.parametrize("arch, kind", [("qwen35moe", "q8_0"), ("qwen35moe", "f32"), ("gptoss", "f32")])
 @pytest.mark.parametrize("mode", ["auto", "float32"])
 def test_decode_token_layers_in_c_calls_keep_every_bit(tmp_path, monkeypatch, arch, kind, mode):
-    """A batch-1 decode step runs each layer's feed-forward in one C call (token_calls.TokenFFN: the post-attention
-    RMSNorm, the router's product, the routing in C, the experts and the residual sum) where the experts are GGML
-    blocks, and each Gated DeltaNet mixer in another (TokenDeltaNet: the input RMSNorm, the projections, the
-    DeltaNet step, the out projection, the residual sum); the tokens and logprobs are those of the separate calls,
-    bit for bit, greedy and sampled."""
+    """A batch-1 decode step runs each layer in two C calls (kernels/token_calls.py): its mixer (TokenDeltaNet: the
+    input RMSNorm, the projections, the DeltaNet step, the out projection, the residual sum; TokenAttention: the
+    input RMSNorm, the q/k/v product, q/k norms, RoPE, the cache's new row, attention with its window and sinks,
+    Qwen's output gate, the out product, the residual sum) and its feed-forward where the experts are GGML blocks
+    (TokenFFN: the post-attention RMSNorm, the router's product, the routing in C, the experts, the residual sum);
+    the tokens and logprobs are those of the separate calls, bit for bit, greedy and sampled."""
     from kernels import token_calls
     from stages import family
     from stages.deltanet import DeltaNetSpec
     from tools.make_tiny import make_tiny
     path = make_tiny(arch, str(tmp_path), gguf_type=kind)
-    prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls = {"ffn": 0, "deltanet": 0}
-    for name, cls in (("ffn", token_calls.TokenFFN), ("deltanet", token_calls.TokenDeltaNet)):
+    # 24 prompt tokens: gpt-oss's sliding layers (a window of 16) mask and trim keys while it decodes
+    prompt = torch.randint(0, 500, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    calls = {"ffn": 0, "deltanet": 0, "attention": 0}
+    for name, cls in (("ffn", token_calls.TokenFFN), ("deltanet", token_calls.TokenDeltaNet),
+                      ("attention", token_calls.TokenAttention)):
         def counted(*args, name=name, call=cls.__call__):
             calls[name] += 1
             return call(*args)
@@ -169,9 +172,9 @@ def test_decode_token_layers_in_c_calls_keep_every_bit(tmp_path, monkeypatch, ar
     steps = 2 * 7         # decode steps: each request's tokens after its first
     deltanet_layers = sum(isinstance(files.family.layer_mixer(files.config, i), DeltaNetSpec)
                           for i in range(files.n_layers))
-    assert calls["deltanet"] >= steps * deltanet_layers
+    assert calls["deltanet"] >= steps * deltanet_layers and (deltanet_layers > 0) == (arch == "qwen35moe")
+    assert calls["attention"] >= steps * (files.n_layers - deltanet_layers)
     assert calls["ffn"] >= (steps * files.n_layers if kind == "q8_0" or arch == "gptoss" else 0)
-    assert (calls["deltanet"] > 0) == (arch == "qwen35moe")
     counted_calls = dict(calls)
     monkeypatch.setattr(family.Block, "_token_calls", lambda self, x: (None, None))
     separate = [run(files, prompt, mode=mode, max_tokens=8, logprobs=3, temperature=t, seed=7) for t in (0, 1)]

@@ -31,3 +31,18 @@ def test_routing_in_c_gives_torch_bits(kind, experts, k):
         assert torch.equal(ids, want_ids)
         # gpt-oss's softmax over its k < 8 chosen logits reduces them one after another with either lane count
         assert torch.equal(w.view(torch.int32), want_w.view(torch.int32)) == same
+
+
+def test_output_gate_in_c_gives_torch_bits():
+    """Qwen's attention output gate in C (`x * sigmoid(g)`, token_calls.TokenAttention) has torch's bits on this
+    torch's vector kernels, over the whole range of gates (their load-time check, gate_matches, compares the same)."""
+    from kernels.pointwise import sigmoid
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return
+    assert token_calls.gate_matches()
+    g = torch.Generator().manual_seed(5)
+    gate = torch.cat([torch.randn(20000, generator=g) * 50, torch.linspace(-110, 110, 20000)])
+    x = torch.randn(gate.shape, generator=g)
+    got = torch.empty_like(x)
+    token_calls.library().raymoe_gate_rows(x.data_ptr(), gate.data_ptr(), x.numel(), got.data_ptr())
+    assert torch.equal(got.view(torch.int32), (x * sigmoid(gate)).view(torch.int32))

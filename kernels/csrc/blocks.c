@@ -2881,7 +2881,7 @@ int raymoe_moe_token(const float *x, int64_t h, int64_t k, const int64_t *expert
     return 0;
 }
 
-/* ---- a decode token's layer in two calls: its DeltaNet mixer, its feed-forward --------------------- */
+/* ---- a decode token's layer in two calls: its mixer (DeltaNet, attention), its feed-forward ---------- */
 
 /* torch's float32 reduction of n values over `lanes` vector lanes (ATen's vec::reduce_all): lane l takes values
  * l, l + lanes, ... in turn, then the lanes are halved pairwise (lane l with l + lanes / 2, ...); fewer values
@@ -2963,8 +2963,8 @@ typedef void (*f32_rows_fn)(const float *x, int64_t ldx, const float *w, int64_t
                             int64_t count, int64_t n, int64_t k, float *y, int64_t ldy);
 typedef int (*dn_decode_fn)(int64_t n, const int64_t *rows, const float *qkv, const float *z, const float *beta,
                             const float *alpha, int64_t ld, const float *taps, int64_t K, float *conv_states,
-                            float *states, const float *a, const float *dt_bias, const float *norm, float eps, int64_t nk,
-                            int64_t nv, int64_t dk, int64_t dv, float *out, int64_t ld_out);
+                            float *states, const float *a, const float *dt_bias, const float *norm, float eps,
+                            int64_t nk, int64_t nv, int64_t dk, int64_t dv, float *out, int64_t ld_out);
 
 /* A weight of a one-row product: float32 rows [n, k] (few_rows.c's raymoe_f32_grouped) or GGML blocks. */
 typedef struct {
@@ -3059,6 +3059,76 @@ int raymoe_token_deltanet(const token_deltanet *d, const float *x, float *conv_s
                      d->dv, o, values))
         return -1;
     if (row_products(d->f32_rows, &d->out, 1, o, values, mix, h)) return -1;
+    for (int64_t i = 0; i < h; i++) out[i] = x[i] + mix[i];
+    return 0;
+}
+
+typedef void (*rope_fn)(const float *x, int64_t tokens, int64_t heads, int64_t k, const float *cos, const float *sin,
+                        int64_t rd, float *y);
+typedef int (*attention_fn)(const float *q, int64_t tq, int64_t hq, int64_t d, const float *k, const float *v,
+                            int64_t tk, int64_t hkv, int64_t dv, const int64_t *q_pos, const int64_t *k_pos,
+                            float scale, int64_t window, const float *sinks, float *out);
+
+/* y[i] = x[i] * sigmoid(g[i]) for n values, sigmoid(g) = 1 / (1 + exp(-g)) with vector_expf: `x * torch.sigmoid(g)`
+ * with torch's vector kernels (the caller checks that on this host with raymoe_gate_rows). */
+static inline void gate_rows(const float *x, const float *g, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * (1.0f / (1.0f + vector_expf(-g[i])));
+}
+
+void raymoe_gate_rows(const float *x, const float *g, int64_t n, float *y) { gate_rows(x, g, n, y); }
+
+/* An attention layer's mixer for one decode token: the input RMSNorm, the q/k/v product (with Qwen's output gate
+ * each q head is followed by its gate head), per-head RMSNorm of q and k (Qwen), RoPE, the cache's new row,
+ * attention.c's kernel (its pointer), the gate, the out product. */
+typedef struct {
+    rms_norm_fn rms_norm;
+    f32_rows_fn f32_rows;
+    rope_fn rope;
+    attention_fn attention;
+    const float *norm, *q_norm, *k_norm, *qkv_bias, *o_bias, *sinks;     /* the last five may be NULL */
+    float eps, qk_eps, scale;
+    int gate;
+    int64_t h, heads, kv_heads, d, window, parts, width;
+    row_weight part[4], out;        /* the q/k/v product; the out product [h, heads d] */
+    float *scratch;                 /* h + width + 5 heads d + kv_heads d + h floats */
+} token_attention;
+
+/* out [h] = x + the attention mixer of x [h] (one token at `position`): Block.decode's `x + mixer(rms_norm(x))` in
+ * one call, with the bits of the separate calls. cos, sin [rd]: the token's RoPE table; keys, values [length,
+ * kv_heads, d] and k_pos [length]: the cache with the row this token writes (the last) reserved. Returns 0, or -1
+ * when out of memory. */
+int raymoe_token_attention(const token_attention *a, const float *x, const float *cos, const float *sin, int64_t rd,
+                           int64_t position, float *keys, float *values, int64_t *k_pos, int64_t length, float *out) {
+    const int64_t h = a->h, d = a->d, qd = a->heads * d, kvd = a->kv_heads * d, step = a->gate ? 2 * d : d;
+    float *xn = a->scratch, *y = xn + h, *q = y + a->width, *qn = q + qd, *qr = qn + qd, *o = qr + qd,
+          *g = o + qd, *kn = g + qd, *mix = kn + kvd;
+    a->rms_norm(x, 1, h, a->norm, a->eps, xn);
+    if (row_products(a->f32_rows, a->part, a->parts, xn, h, y, a->width)) return -1;
+    if (a->qkv_bias)
+        for (int64_t i = 0; i < a->width; i++) y[i] += a->qkv_bias[i];
+    const float *k = y + a->heads * step, *v = k + kvd;
+    for (int64_t head = 0; head < a->heads; head++) {
+        memcpy(q + head * d, y + head * step, sizeof(float) * (size_t)d);
+        if (a->gate) memcpy(g + head * d, y + head * step + d, sizeof(float) * (size_t)d);
+    }
+    if (a->q_norm) {
+        a->rms_norm(q, a->heads, d, a->q_norm, a->qk_eps, qn);
+        a->rms_norm(k, a->kv_heads, d, a->k_norm, a->qk_eps, kn);
+        q = qn;
+        k = kn;
+    }
+    float *row = keys + (length - 1) * kvd;
+    a->rope(q, 1, a->heads, d, cos, sin, rd, qr);
+    a->rope(k, 1, a->kv_heads, d, cos, sin, rd, row);
+    memcpy(values + (length - 1) * kvd, v, sizeof(float) * (size_t)kvd);
+    k_pos[length - 1] = position;
+    if (a->attention(qr, 1, a->heads, d, keys, values, length, a->kv_heads, d, &position, k_pos, a->scale, a->window,
+                     a->sinks, o))
+        return -1;
+    if (a->gate) gate_rows(o, g, qd, o);
+    if (row_products(a->f32_rows, &a->out, 1, o, qd, mix, h)) return -1;
+    if (a->o_bias)
+        for (int64_t i = 0; i < h; i++) mix[i] += a->o_bias[i];
     for (int64_t i = 0; i < h; i++) out[i] = x[i] + mix[i];
     return 0;
 }
