@@ -1,4 +1,6 @@
 """kernels/token_calls.py: the routing in C against torch's (the layers' bits: tests/test_families.py)."""
+import ctypes
+
 import pytest
 import torch
 
@@ -46,3 +48,22 @@ def test_output_gate_in_c_gives_torch_bits():
     got = torch.empty_like(x)
     token_calls.library().raymoe_gate_rows(x.data_ptr(), gate.data_ptr(), x.numel(), got.data_ptr())
     assert torch.equal(got.view(torch.int32), (x * sigmoid(gate)).view(torch.int32))
+
+
+def test_c_time_splits_a_decode_step(tmp_path):
+    """tools/c_time.py times every compiled call of a decode step: a tiny Qwen3.5 file's batch-1 step makes one
+    mixer call and one feed-forward call a layer (--separate: the calls of the pieces instead), and the libraries'
+    functions are theirs again afterwards."""
+    from kernels import blocks
+    from tools import c_time
+    from tools.make_tiny import make_tiny
+    path = make_tiny("qwen35moe", str(tmp_path), gguf_type="q8_0")
+    layers = 8         # tools/make_tiny.py's qwen35moe
+    fused = c_time.measure(path, 3, threads=1)
+    calls = {name: n for name, (_, n) in fused["calls"].items()}
+    assert calls["raymoe_token_ffn"] == layers and calls["raymoe_token_deltanet"] + calls["raymoe_token_attention"] \
+        == layers and fused["step_s"] > 0 and fused["outside_s"] < fused["step_s"]
+    separate = c_time.measure(path, 3, threads=1, separate=True)
+    calls = {name: n for name, (_, n) in separate["calls"].items() if n}
+    assert "raymoe_token_ffn" not in calls and calls["raymoe_moe_token"] == layers
+    assert isinstance(blocks.library().raymoe_blocks_grouped, ctypes._CFuncPtr)

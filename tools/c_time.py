@@ -29,9 +29,10 @@ def _libraries() -> list:
                             attention._library(), rope._library()) if lib is not None]
 
 
-def wrap_calls(totals: dict, counts: dict) -> None:
+def wrap_calls(totals: dict, counts: dict):
     """Replaces each loaded library function that Python has set up (its ctypes object cached on the library)
-    by one that adds its time and a count under its name."""
+    by one that adds its time and a count under its name; returns the function that puts them back."""
+    wrapped = []
     for lib in _libraries():
         for name, fn in list(vars(lib).items()):
             if not (name.startswith("raymoe_") and isinstance(fn, ctypes._CFuncPtr)):
@@ -45,9 +46,17 @@ def wrap_calls(totals: dict, counts: dict) -> None:
                     totals[name] += time.perf_counter() - start
                     counts[name] += 1
             setattr(lib, name, timed)
+            wrapped.append((lib, name, fn))
+
+    def unwrap():
+        for lib, name, fn in wrapped:
+            setattr(lib, name, fn)
+    return unwrap
 
 
-def measure(path: str, tokens: int, sequences: int, threads: int, mode: str, separate: bool = False) -> dict:
+def measure(path: str, tokens: int, sequences: int = 1, threads: int = 2, mode: str = "auto",
+            separate: bool = False) -> dict:
+    """{"step_s": a decode step's time, "calls": {function: (seconds, calls) a step}, "outside_s": the rest}."""
     from stages.engine import LocalEngine
     from stages.family import Block
     from stages.loader import open_model
@@ -55,24 +64,28 @@ def measure(path: str, tokens: int, sequences: int, threads: int, mode: str, sep
 
     torch.set_num_threads(threads)
     totals, counts = defaultdict(float), defaultdict(int)
-    wrap_calls(totals, counts)
-    engine = LocalEngine(open_model(path), mode=mode)
-    engine.eos_ids = set()
-    if separate:
-        Block._token_calls = lambda self, x: (None, None)
+    unwrap, token_calls = wrap_calls(totals, counts), Block._token_calls
+    try:
+        engine = LocalEngine(open_model(path), mode=mode)
+        engine.eos_ids = set()
+        if separate:
+            Block._token_calls = lambda self, x: (None, None)
 
-    def generate(n: int) -> tuple[float, dict, dict]:
-        totals.clear()
-        counts.clear()
-        for i in range(sequences):
-            engine.add_request(i, list(range(100 + i, 108 + i)), SamplingParams(max_tokens=n, temperature=0))
-        start = time.perf_counter()
-        engine.run_until_done()
-        return time.perf_counter() - start, dict(totals), dict(counts)
+        def generate(n: int) -> tuple[float, dict, dict]:
+            totals.clear()
+            counts.clear()
+            for i in range(sequences):
+                engine.add_request(i, list(range(100 + i, 108 + i)), SamplingParams(max_tokens=n, temperature=0))
+            start = time.perf_counter()
+            engine.run_until_done()
+            return time.perf_counter() - start, dict(totals), dict(counts)
 
-    generate(4)         # warm up: the libraries' first calls, the layers' one-token calls made
-    one, one_t, one_n = generate(1)
-    many, many_t, many_n = generate(tokens + 1)
+        generate(4)         # warm up: the libraries' first calls, the layers' one-token calls made
+        one, one_t, one_n = generate(1)
+        many, many_t, many_n = generate(tokens + 1)
+    finally:
+        unwrap()
+        Block._token_calls = token_calls
     step = (many - one) / tokens
     calls = {name: ((many_t[name] - one_t.get(name, 0)) / tokens, (many_n[name] - one_n.get(name, 0)) / tokens)
              for name in many_t}
