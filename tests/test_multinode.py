@@ -115,9 +115,9 @@ def test_pp2_spread_over_two_nodes_equals_one_node(two_nodes, tmp_path):
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         most = [0, 0]                  # the most stage actors seen at once under each node
         deadline = time.time() + 300
-        while job.poll() is None and time.time() < deadline:
+        while job.poll() is None and time.time() < deadline:     # often: a job of three requests lasts ~2 s
             most = [max(m, stage_processes(node)) for m, node in zip(most, nodes)]
-            time.sleep(0.2)
+            time.sleep(0.02)
         if job.poll() is None:
             job.kill()
         assert job.wait() == 0, job.stderr.read()[-3000:]
