@@ -246,7 +246,7 @@ class StageActor:
                 "parameter_bytes": self.stage.parameter_bytes(), "peak_rss_bytes": peak_rss_bytes(),
                 "peak_cache_bytes": self.stage.peak_cache_bytes, "prefix_cache_bytes": self.stage.prefix.bytes,
                 "threads_used": sorted(self.threads_used), "busy_s": self.busy_s,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def ping(self) -> int:
         return os.getpid()

@@ -189,10 +189,11 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     prefix = stats["prefix_cache"]
     prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
                    f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    nodes = len({s["node_id"] for s in stats["stages"]})      # where the stage processes ran, as Ray says
     restarts = stats["coordinator_restarts"]
     restarts = f"; the coordinator died and was replaced {restarts} times" if restarts else ""
     print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
-          f"transport={args.transport}{prefix_text}{restarts}",
+          f"nodes={nodes} transport={args.transport}{prefix_text}{restarts}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)
