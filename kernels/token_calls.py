@@ -1,18 +1,20 @@
-"""A decode token's layer in two C calls (kernels/csrc/blocks.c): its mixer (`x + mixer(rms_norm(x))`, Gated
-DeltaNet layers) and its feed-forward (`h + moe(rms_norm(h))`).
+"""A decode step's layer in two C calls (kernels/csrc/blocks.c), for up to MAX_ROWS sequences: its mixer
+(`x + mixer(rms_norm(x))`: Gated DeltaNet or attention) and its feed-forward (`h + moe(rms_norm(h))`).
 
-A batch-1 decode step on the CPU runs each layer as a dozen small calls from Python: RMSNorm, products, a split,
-the routing's torch operations, the experts, the residual sums. Each product streams megabytes through the caches,
-so each Python call after it starts cold; together they took about a tenth of a full-size Qwen3.5-35B-A3B step.
-Here the same calls are made from C, with the same arguments: the bits are those of the separate calls. The
-functions of the other libraries (norms.c's RMSNorm, few_rows.c's float32 rows, deltanet.c's decode step) come
-as pointers; the routing is done in C the way torch computes it (route_lanes checks that it gives this torch's
-bits here, else the layer keeps its separate calls).
+A decode step on the CPU runs each layer as a dozen small calls from Python: RMSNorm, products, a split, the
+routing's torch operations, the experts' plan, the residual sums. Each product streams megabytes through the
+caches, so each Python call after it starts cold; together they took about a tenth of a full-size
+Qwen3.5-35B-A3B step at one sequence and a fifth at four. Here the same calls are made from C, with the same
+arguments: the bits are those of the separate calls. The functions of the other libraries (norms.c's RMSNorm,
+few_rows.c's float32 rows, deltanet.c's decode step, rope.c, attention.c) come as pointers; the routing is done
+in C the way torch computes it (route_lanes checks that it gives this torch's bits here, else the layer keeps its
+separate calls), and tied router scores, which torch.topk orders its own way, hand the step back to them.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from functools import lru_cache
 
 import torch
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 # (softmax first, renormalise) as kernels.moe.torch_route takes them -> raymoe_route's kind
 ROUTES = {(True, True): 0, (True, False): 1, (False, False): 2}
 MAX_EXPERTS, MAX_USED = 1024, 64        # what the library's routing takes
+TIES = 1                                # raymoe_route's and raymoe_token_ffn's status for tied router scores
+MAX_ROWS, MAX_SLOTS = 8, 64             # the most tokens a call takes (blocks.c's TOKEN_ROWS), and a feed-forward's
+                                        # tokens times experts each
 
 
 class RowWeight(ctypes.Structure):
@@ -41,8 +46,7 @@ class TokenFFNCall(ctypes.Structure):
                 ("lanes", ctypes.c_int), ("act", ctypes.c_int), ("exp_kind", ctypes.c_int), ("h", ctypes.c_int64),
                 ("parts", ctypes.c_int64), ("width", ctypes.c_int64), ("experts", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("ff", ctypes.c_int64), ("sff", ctypes.c_int64), ("part", RowWeight * 4),
-                ("bias", ctypes.c_void_p), ("gate_up", MoEWeight), ("down", MoEWeight), ("shared", MoEWeight),
-                ("scratch", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("gate_up", MoEWeight), ("down", MoEWeight), ("shared", MoEWeight)]
 
 
 class TokenDeltaNetCall(ctypes.Structure):
@@ -52,7 +56,7 @@ class TokenDeltaNetCall(ctypes.Structure):
                 ("dt_bias", ctypes.c_void_p), ("dn_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
                 ("dn_eps", ctypes.c_float), ("h", ctypes.c_int64), ("parts", ctypes.c_int64), ("width", ctypes.c_int64),
                 ("K", ctypes.c_int64), ("nk", ctypes.c_int64), ("nv", ctypes.c_int64), ("dk", ctypes.c_int64),
-                ("dv", ctypes.c_int64), ("part", RowWeight * 4), ("out", RowWeight), ("scratch", ctypes.c_void_p)]
+                ("dv", ctypes.c_int64), ("part", RowWeight * 4), ("out", RowWeight)]
 
 
 class TokenAttentionCall(ctypes.Structure):
@@ -64,7 +68,7 @@ class TokenAttentionCall(ctypes.Structure):
                 ("scale", ctypes.c_float), ("gate", ctypes.c_int), ("h", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64),
                 ("window", ctypes.c_int64), ("parts", ctypes.c_int64), ("width", ctypes.c_int64),
-                ("part", RowWeight * 4), ("out", RowWeight), ("scratch", ctypes.c_void_p)]
+                ("part", RowWeight * 4), ("out", RowWeight)]
 
 
 @lru_cache(maxsize=None)
@@ -77,14 +81,11 @@ def library() -> ctypes.CDLL | None:
     p, i, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.raymoe_route.argtypes = [c, c, p, i, i, i, p, p]
     lib.raymoe_route.restype = c
-    lib.raymoe_token_ffn_scratch.argtypes = [i, i, i, i, i]
-    lib.raymoe_token_ffn_scratch.restype = i
-    lib.raymoe_token_ffn.argtypes = [ctypes.POINTER(TokenFFNCall), p, p]
-    lib.raymoe_token_ffn.restype = c
-    lib.raymoe_token_deltanet.argtypes = [ctypes.POINTER(TokenDeltaNetCall), p, p, p, p]
-    lib.raymoe_token_deltanet.restype = c
-    lib.raymoe_token_attention.argtypes = [ctypes.POINTER(TokenAttentionCall), p, p, p, i, i, p, p, p, i, p]
-    lib.raymoe_token_attention.restype = c
+    for name, call, args in (("ffn", TokenFFNCall, [i, p, p, p]), ("deltanet", TokenDeltaNetCall, [i, p, p, p, p, p]),
+                             ("attention", TokenAttentionCall, [i, p, p, p, i, p, p, p, p, p, p, p])):
+        run, scratch = getattr(lib, f"raymoe_token_{name}"), getattr(lib, f"raymoe_token_{name}_scratch")
+        run.argtypes, run.restype = [ctypes.POINTER(call), *args], c
+        scratch.argtypes, scratch.restype = [ctypes.POINTER(call), i], i
     lib.raymoe_gate_rows.argtypes = [p, p, i, p]
     lib.raymoe_gate_rows.restype = None
     return lib
@@ -161,18 +162,23 @@ class TokenFFN:
         _check_vector(norm, h, "the norm's weight")
         if bias is not None:
             _check_vector(bias, width, "the router's bias")
-        self.scratch = torch.empty(lib.raymoe_token_ffn_scratch(h, width, k, moe.ff, moe.sff))
-        call.scratch = self.scratch.data_ptr()
-        self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_ffn
+        self.h, self.rows = h, min(MAX_ROWS, MAX_SLOTS // k)
+        self.ref, self.run = ctypes.byref(call), lib.raymoe_token_ffn
+        self.scratch = _scratch_sizes(lib.raymoe_token_ffn_scratch, self.ref, self.rows)
         self.keep = (call, moe, norm, bias, keep)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return _one_row(x, self.h)
+        return _rows(x, self.h, self.rows)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: one token [1, h] that `takes` passed."""
-        out = x.new_empty(1, self.h)
-        blocks._status(self.run(self.ref, x.data_ptr(), out.data_ptr()))
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: a decode step's tokens [n, h] that `takes` passed. None where a token's router scores tie among its
+        k + 1 best: torch.topk orders those its own way, so the caller makes the separate calls."""
+        n = x.shape[0]
+        out = x.new_empty(n, self.h)
+        status = self.run(self.ref, n, x.data_ptr(), _scratch(self.scratch[n]), out.data_ptr())
+        if status == TIES:
+            return None
+        blocks._status(status)
         return out
 
 
@@ -187,8 +193,8 @@ class TokenDeltaNet:
         from . import deltanet
         lib = library()
         nk, nv, dk, dv = net.n_k_heads, net.n_v_heads, net.k_head_dim, net.v_head_dim
-        self.conv_shape = (1, net.conv.shape[1] - 1, net.conv.shape[0])
-        self.state_shape = (1, nv, dk, dv)
+        self.conv_shape = (net.conv.shape[1] - 1, net.conv.shape[0])
+        self.state_shape = (nv, dk, dv)
         call = TokenDeltaNetCall(rms_norm=_rms_norm(), f32_rows=_f32_rows(),
                                  dn_decode=_address(deltanet.library(), "raymoe_dn_decode"), norm=norm.data_ptr(),
                                  taps=net.taps.data_ptr(), a=net.a.data_ptr(), dt_bias=net.dt_bias.data_ptr(),
@@ -203,23 +209,25 @@ class TokenDeltaNet:
         for t, size, what in ((net.taps, net.conv.numel(), "taps"), (net.a, nv, "a"), (net.dt_bias, nv, "dt_bias"),
                               (net.norm, dv, "the output norm")):
             _check_vector(t.view(-1) if t.is_contiguous() else t, size, what)
-        self.scratch = torch.empty(h + width + nv * dv + h)
-        call.scratch = self.scratch.data_ptr()
         self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_deltanet
+        self.scratch = _scratch_sizes(lib.raymoe_token_deltanet_scratch, self.ref, MAX_ROWS)
         self.keep = (call, net, norm, keep)
 
     def takes(self, x: torch.Tensor, caches) -> bool:
         conv, state = caches
-        return _one_row(x, self.h) and all(
-            t.dtype == torch.float32 and t.is_cpu and t.shape == shape and t.is_contiguous()
+        n = x.shape[0]
+        return _rows(x, self.h, MAX_ROWS) and all(
+            t.dtype == torch.float32 and t.is_cpu and t.shape == (n, *shape) and t.is_contiguous()
             for t, shape in ((conv, self.conv_shape), (state, self.state_shape)))
 
     def __call__(self, x: torch.Tensor, caches) -> torch.Tensor:
-        """x: one token [1, h] and its caches (conv [1, K-1, C], state [1, H_v, dk, dv]) that `takes` passed; the
-        caches are updated in place."""
+        """x: a decode step's tokens [n, h] (row i sequence i's) and their stacked caches (conv [n, K-1, C], state
+        [n, H_v, dk, dv]) that `takes` passed; the caches are updated in place."""
         conv, state = caches
-        out = x.new_empty(1, self.h)
-        blocks._status(self.run(self.ref, x.data_ptr(), conv.data_ptr(), state.data_ptr(), out.data_ptr()))
+        n = x.shape[0]
+        out = x.new_empty(n, self.h)
+        blocks._status(self.run(self.ref, n, x.data_ptr(), conv.data_ptr(), state.data_ptr(),
+                                _scratch(self.scratch[n]), out.data_ptr()))
         return out
 
 
@@ -253,33 +261,42 @@ class TokenAttention:
             if t is not None:
                 _check_vector(t, n, name)
                 setattr(call, name, t.data_ptr())
-        self.scratch = torch.empty(h + width + 5 * qd + kvd + h)
-        call.scratch = self.scratch.data_ptr()
         self.h, self.ref, self.run = h, ctypes.byref(call), lib.raymoe_token_attention
+        self.scratch = _scratch_sizes(lib.raymoe_token_attention_scratch, self.ref, MAX_ROWS)
         self.keep = (call, attn, norm, keep)
 
     def takes(self, x: torch.Tensor, inputs) -> bool:
-        """Whether x [1, h] and decode_inputs' (positions, cos, sin, kv) are what the call reads: one sequence, its
-        cache's new row reserved (not a row given as a tensor), contiguous float32 and int64 tensors."""
+        """Whether x [n, h] and decode_inputs' (positions, cos, sin, kv) are what the call reads: each sequence's
+        cache with its new row reserved (not a row given as a tensor), contiguous float32 and int64 tensors."""
         positions, cos, sin, kv = inputs
-        if not _one_row(x, self.h) or len(kv) != 1 or positions.shape != (1,) or positions.dtype != torch.int64:
+        n = x.shape[0]
+        if not _rows(x, self.h, MAX_ROWS) or len(kv) != n or positions.shape != (n,) or \
+                positions.dtype != torch.int64 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != n or \
+                cos.shape[1] % 2 or cos.shape[1] > self.d or \
+                not all(t.is_cpu and t.is_contiguous() and t.dtype == torch.float32 for t in (cos, sin)) or \
+                not positions.is_cpu or not positions.is_contiguous():
             return False
-        keys, values, k_pos, row = kv[0]
-        shape = (keys.shape[0], self.kv_heads, self.d)
-        return (row is None and keys.shape == shape and values.shape == shape and k_pos.shape == shape[:1]
-                and k_pos.dtype == torch.int64 and cos.shape == sin.shape and cos.dim() == 2 and cos.shape[0] == 1
-                and cos.shape[1] % 2 == 0 and cos.shape[1] <= self.d
-                and all(t.is_cpu and t.is_contiguous() for t in (positions, keys, values, k_pos, cos, sin))
-                and all(t.dtype == torch.float32 for t in (keys, values, cos, sin)))
+        for keys, values, k_pos, row in kv:
+            shape = (keys.shape[0], self.kv_heads, self.d)
+            if not (row is None and keys.shape == shape and values.shape == shape and k_pos.shape == shape[:1]
+                    and k_pos.dtype == torch.int64 and keys.dtype == values.dtype == torch.float32
+                    and all(t.is_cpu and t.is_contiguous() for t in (keys, values, k_pos))):
+                return False
+        return True
 
     def __call__(self, x: torch.Tensor, inputs) -> torch.Tensor:
-        """x: one token [1, h] and its decode_inputs that `takes` passed; the cache's new row is written."""
+        """x: a decode step's tokens [n, h] (row i sequence i's) and their decode_inputs that `takes` passed; each
+        cache's new row is written."""
         positions, cos, sin, kv = inputs
-        keys, values, k_pos, _ = kv[0]
-        out = x.new_empty(1, self.h)
-        blocks._status(self.run(self.ref, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1],
-                                int(positions[0]), keys.data_ptr(), values.data_ptr(), k_pos.data_ptr(), keys.shape[0],
-                                out.data_ptr()))
+        n = x.shape[0]
+        # the sequences' keys, then their values, then their positions: three arrays of n addresses
+        pointers = (ctypes.c_void_p * (3 * n))(*(cache[j].data_ptr() for j in range(3) for cache in kv))
+        first = ctypes.addressof(pointers)
+        lengths = (ctypes.c_int64 * n)(*(cache[0].shape[0] for cache in kv))
+        out = x.new_empty(n, self.h)
+        blocks._status(self.run(self.ref, n, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+                                positions.data_ptr(), first, first + 8 * n, first + 16 * n, lengths,
+                                _scratch(self.scratch[n]), out.data_ptr()))
         return out
 
 
@@ -302,8 +319,26 @@ def _gate_matches(lib: ctypes.CDLL) -> bool:
     return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def _one_row(x: torch.Tensor, h: int) -> bool:
-    return x.dtype == torch.float32 and x.is_cpu and x.shape == (1, h) and x.is_contiguous()
+def _rows(x: torch.Tensor, h: int, most: int) -> bool:
+    return x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and 0 < x.shape[0] <= most and x.shape[1] == h \
+        and x.is_contiguous()
+
+
+def _scratch_sizes(size, call, most: int) -> list[int]:
+    """[0, floats for 1 row, ..., for `most` rows] of a call's scratch."""
+    return [0] + [size(call, n) for n in range(1, most + 1)]
+
+
+_thread = threading.local()
+
+
+def _scratch(floats: int) -> int:
+    """The address of this thread's scratch of at least `floats` floats, which every layer's calls share (one
+    layer computes at a time in a thread): a few megabytes, where each layer's own would take a hundred."""
+    buffer = getattr(_thread, "scratch", None)
+    if buffer is None or buffer.numel() < floats:
+        buffer = _thread.scratch = torch.empty(floats)
+    return buffer.data_ptr()
 
 
 def _check_vector(t: torch.Tensor, n: int, what: str) -> None:

@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from kernels import token_calls
 from kernels.norms import rms_norm
 
 from .cache import KVCache
@@ -106,18 +107,17 @@ class Block:
     def decode(self, x: torch.Tensor, caches) -> torch.Tensor:
         """One token of each of x's rows, caches what the mixer's decode_inputs gave (updated in place)."""
         mixer, ffn = self._token_calls(x)
-        if mixer is not None and mixer.takes(x, caches):     # one token on the CPU: the calls below, made from C
+        if mixer is not None and mixer.takes(x, caches):     # a few tokens on the CPU: the calls below, made from C
             h = mixer(x, caches)
         else:
             h = x + self.mixer.decode(rms_norm(x, self.attn_norm, self.eps), caches)
-        if ffn is not None and ffn.takes(h):
-            return ffn(h)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps), decoding=True)
+        out = ffn(h) if ffn is not None and ffn.takes(h) else None      # None: tied router scores
+        return out if out is not None else h + self.ffn(rms_norm(h, self.post_norm, self.eps), decoding=True)
 
     def _token_calls(self, x: torch.Tensor) -> tuple:
-        """(mixer, feed-forward) of an eager CPU decode step's one token as one C call each
+        """(mixer, feed-forward) of an eager CPU decode step of a few sequences as one C call each
         (kernels/token_calls.py, made on first use), None for a part that has none; (None, None) for other steps."""
-        if x.shape[0] != 1 or not x.is_cpu or torch.compiler.is_compiling():
+        if x.shape[0] > token_calls.MAX_ROWS or not x.is_cpu or torch.compiler.is_compiling():
             return None, None
         if self._calls is None:
             mixer, ffn = getattr(self.mixer, "token_call", None), getattr(self.ffn, "token_ffn", None)

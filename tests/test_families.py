@@ -179,3 +179,73 @@ def test_decode_token_layers_in_c_calls_keep_every_bit(tmp_path, monkeypatch, ar
     monkeypatch.setattr(family.Block, "_token_calls", lambda self, x: (None, None))
     separate = [run(files, prompt, mode=mode, max_tokens=8, logprobs=3, temperature=t, seed=7) for t in (0, 1)]
     assert calls == counted_calls and fused == separate
+
+
+@pytest.mark.parametrize("arch, kind", [("qwen35moe", "q8_0"), ("gptoss", "f32")])
+@pytest.mark.parametrize("mode", ["auto", "float32"])
+def test_decode_steps_of_several_sequences_in_c_calls_keep_every_bit(tmp_path, monkeypatch, arch, kind, mode):
+    """Decode steps of 2 to 5 sequences (prompts of different lengths, so each attention reads a cache of its own
+    length; gpt-oss's window crossed) run each layer in the same two C calls, n rows each: the feed-forward sorts
+    the tokens' experts as the separate calls do and reads each expert once for its tokens. Every token and
+    logprob of every sequence equals the separate calls', greedy and sampled."""
+    from kernels import token_calls
+    from stages import family
+    from tools.make_tiny import make_tiny
+    path = make_tiny(arch, str(tmp_path), gguf_type=kind)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 24, 11, 17, 6)]
+    rows = []
+    for cls in (token_calls.TokenFFN, token_calls.TokenDeltaNet, token_calls.TokenAttention):
+        def counted(self, x, *args, call=cls.__call__):
+            rows.append(x.shape[0])
+            return call(self, x, *args)
+        monkeypatch.setattr(cls, "__call__", counted)
+
+    def batch() -> list[dict]:
+        engine = LocalEngine(open_model(path), mode=mode)
+        seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=4 + 2 * i, temperature=i % 2, seed=i,
+                                                             logprobs=3)) for i, p in enumerate(prompts)]
+        engine.run_until_done()
+        return [s.result() for s in seqs]
+
+    fused = batch()
+    assert max(rows) == len(prompts) and {2, 3, 4} <= set(rows)       # sequences finish one after another
+    monkeypatch.setattr(family.Block, "_token_calls", lambda self, x: (None, None))
+    count = len(rows)
+    assert batch() == fused and len(rows) == count
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "gptoss"])
+def test_tied_router_scores_take_the_separate_calls(tmp_path, monkeypatch, arch):
+    """Every expert's router row (and bias) made the first one's: every token's scores tie, which torch.topk orders its own
+    way. The feed-forward's C call hands each step back (None) and the separate calls route it with torch: the
+    tokens and logprobs are theirs, bit for bit, at one sequence and at three."""
+    from kernels import token_calls
+    from kernels.weights import ConcatWeight
+    from stages import family
+    from tools.make_tiny import make_tiny
+    path = make_tiny(arch, str(tmp_path), gguf_type="q8_0" if arch == "qwen35moe" else "f32")
+    answers = []
+    real_call = token_calls.TokenFFN.__call__
+    monkeypatch.setattr(token_calls.TokenFFN, "__call__", lambda *args: answers.append(real_call(*args)))
+
+    def generate() -> list[dict]:
+        engine = LocalEngine(open_model(path), mode="auto")
+        for layer in (layer for stage in engine.stages for layer in stage.layers):
+            router = layer.ffn.inputs.parts[0] if isinstance(layer.ffn.inputs, ConcatWeight) else layer.ffn.inputs
+            rows = router.t if hasattr(router, "t") else router.raw
+            rows[1:] = rows[0]
+            if layer.ffn.router_bias is not None:       # gpt-oss's
+                layer.ffn.router_bias[1:] = layer.ffn.router_bias[0]
+        seqs = [engine.add_request(str(i), list(range(20 + i, 29 + 2 * i)),
+                                   SamplingParams(max_tokens=5, temperature=i % 2, seed=i, logprobs=2))
+                for i in range(3)]
+        engine.run_until_done()
+        one = engine.add_request("alone", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+        engine.run_until_done()
+        return [s.result() for s in seqs + [one]]
+
+    fused = generate()
+    assert len(answers) >= 3 * 4 + 3 and all(a is None for a in answers)
+    monkeypatch.setattr(family.Block, "_token_calls", lambda self, x: (None, None))
+    assert generate() == fused

@@ -35,6 +35,40 @@ def test_routing_in_c_gives_torch_bits(kind, experts, k):
         assert torch.equal(w.view(torch.int32), want_w.view(torch.int32)) == same
 
 
+@pytest.mark.parametrize("kind, experts, k", [(0, 256, 8), (2, 32, 4)])
+def test_routing_in_c_reports_tied_scores(kind, experts, k):
+    """torch.topk orders equal scores as its std::nth_element leaves them, which the library does not reproduce: a
+    row whose k + 1 best scores hold two equal ones (the first, the k-th against the one left out), or a NaN, makes
+    raymoe_route answer TIES, and a decode token's feed-forward then takes the separate calls. Ties below those
+    leave the routing torch's."""
+    from kernels.moe import torch_route
+    lanes = token_calls.route_lanes(kind, experts, k)
+    if lanes is None:
+        return
+    softmax_first, renormalise = next(key for key, value in token_calls.ROUTES.items() if value == kind)
+    row = torch.randn(experts, generator=torch.Generator().manual_seed(9))
+    order = row.argsort(descending=True)
+
+    def route(logits: torch.Tensor):
+        w, ids = torch.empty(1, k), torch.empty(1, k, dtype=torch.int64)
+        status = token_calls.library().raymoe_route(kind, lanes, logits.data_ptr(), 1, experts, k, w.data_ptr(),
+                                                    ids.data_ptr())
+        return status, w, ids
+
+    for a, b in ((0, 1), (k - 1, k), (0, 5)):          # ties among the k + 1 best
+        tied = row.clone()
+        tied[order[b]] = tied[order[a]]
+        assert route(tied)[0] == token_calls.TIES, (a, b)
+    nan = row.clone()
+    nan[order[-1]] = float("nan")
+    assert route(nan)[0] == token_calls.TIES
+    low = row.clone()
+    low[order[-1]] = low[order[-2]]                     # a tie among the scores left out
+    status, w, ids = route(low)
+    want_w, want_ids = torch_route(low[None], k, softmax_first, renormalise)
+    assert status == 0 and torch.equal(ids, want_ids) and torch.equal(w.view(torch.int32), want_w.view(torch.int32))
+
+
 def test_output_gate_in_c_gives_torch_bits():
     """Qwen's attention output gate in C (`x * sigmoid(g)`, token_calls.TokenAttention) has torch's bits on this
     torch's vector kernels, over the whole range of gates (their load-time check, gate_matches, compares the same)."""

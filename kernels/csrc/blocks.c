@@ -2837,9 +2837,23 @@ typedef struct {
     const float *bias;              /* [E, rows] float32, or NULL */
 } moe_weight;
 
+/* Rows a..b of y ([rows, n]) = rows a..b of x ([rows, k], row stride ldx; 0: one row for every group's rows)
+ * times the transpose of expert e of wt, plus that expert's bias row, for each group (e, a, b): the call and the
+ * addition the separate ops make for these rows. Returns 0, or -1 when out of memory. */
+static int expert_groups(const moe_weight *wt, const float *x, int64_t ldx, int64_t rows, const int64_t *groups,
+                         int64_t count, int64_t n, int64_t k, float *y) {
+    if (raymoe_blocks_grouped(wt->type, wt->quantize, x, rows, ldx, wt->raw, wt->stride, wt->raw2, wt->stride2,
+                              wt->n1, groups, count, n, k, y, n))
+        return -1;
+    for (int64_t g = 0; wt->bias && g < count; g++)
+        for (int64_t j = groups[3 * g + 1]; j < groups[3 * g + 2]; j++)
+            for (int64_t i = 0; i < n; i++) y[j * n + i] += wt->bias[groups[3 * g] * n + i];
+    return 0;
+}
+
 /* Row j of y ([slots, n]) = row j of x ([slots, k], row stride ldx; 0: one row for every slot) times the
- * transpose of expert experts[j] of wt, plus that expert's bias row: the call and the addition the separate ops
- * make for these slots. Returns 0, or -1 when out of memory (or slots is not 1 to 64). */
+ * transpose of expert experts[j] of wt, plus that expert's bias row. Returns 0, or -1 when out of memory (or
+ * slots is not 1 to 64). */
 static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64_t slots, const int64_t *experts,
                         int64_t n, int64_t k, float *y) {
     int64_t groups[3 * 64];
@@ -2849,12 +2863,7 @@ static int expert_slots(const moe_weight *wt, const float *x, int64_t ldx, int64
         groups[3 * j + 1] = j;
         groups[3 * j + 2] = j + 1;
     }
-    if (raymoe_blocks_grouped(wt->type, wt->quantize, x, slots, ldx, wt->raw, wt->stride, wt->raw2, wt->stride2,
-                              wt->n1, groups, slots, n, k, y, n))
-        return -1;
-    for (int64_t j = 0; wt->bias && j < slots; j++)
-        for (int64_t i = 0; i < n; i++) y[j * n + i] += wt->bias[experts[j] * n + i];
-    return 0;
+    return expert_groups(wt, x, ldx, slots, groups, slots, n, k, y);
 }
 
 /* One token's MoE layer after its router, in one call: for each slot j, expert experts[j]'s gate/up product of
@@ -2914,48 +2923,54 @@ static void torch_softmax(const float *x, int64_t n, int lanes, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = y[i] * r;
 }
 
-/* ids[0..k) of the k largest of x[0..n) in descending order (NaN above all, the lower index first among equals),
- * their values in top. */
-static void top_k(const float *x, int64_t n, int64_t k, float *top, int64_t *ids) {
+/* ids[0..k) of the k largest of x[0..n) in descending order (the lower index first among equals), their values
+ * in top. Returns 1 where two of the k + 1 largest are equal or one is NaN: which of them torch.topk takes first
+ * is up to its std::nth_element, which this does not reproduce; 0 otherwise. */
+static int top_k(const float *x, int64_t n, int64_t k, float *top, int64_t *ids) {
     uint8_t taken[1024] = {0};
-    for (int64_t j = 0; j < k; j++) {
+    for (int64_t j = 0; j <= k && j < n; j++) {
         int64_t best = -1;
-        for (int64_t i = 0; i < n; i++) {
-            if (taken[i]) continue;
-            if (best < 0 || (x[i] != x[i] && x[best] == x[best]) || x[i] > x[best]) best = i;
-        }
+        for (int64_t i = 0; i < n; i++)
+            if (!taken[i] && (best < 0 || x[i] > x[best] || x[i] != x[i])) best = i;
+        if (x[best] != x[best] || (j > 0 && x[best] == top[j - 1])) return 1;
+        if (j == k) break;          /* the first one left out: only compared */
         taken[best] = 1;
         ids[j] = best;
         top[j] = x[best];
     }
+    return 0;
 }
 
 /* A token's routing from its router logits [n] (n <= 1024, k <= 64), as kernels/moe.py's torch_route computes
  * it with torch's kernels of `lanes` float lanes: kind 0 softmax, top k, the k divided by their sum (Qwen);
- * kind 1 the same without the division; kind 2 top k of the logits, softmax over them (gpt-oss). */
-static void route_token(int kind, int lanes, const float *logits, int64_t n, int64_t k, float *w, int64_t *ids) {
+ * kind 1 the same without the division; kind 2 top k of the logits, softmax over them (gpt-oss). Returns 1 where
+ * top_k finds ties (w and ids are then not torch's), else 0. */
+static int route_token(int kind, int lanes, const float *logits, int64_t n, int64_t k, float *w, int64_t *ids) {
     float buf[1024];
     if (kind == 2) {
-        top_k(logits, n, k, buf, ids);
+        if (top_k(logits, n, k, buf, ids)) return 1;
         torch_softmax(buf, k, lanes, w);
-        return;
+        return 0;
     }
     torch_softmax(logits, n, lanes, buf);
-    top_k(buf, n, k, w, ids);
+    if (top_k(buf, n, k, w, ids)) return 1;
     if (kind == 0) {
         float sum = w[0];       /* torch.sum of a few values: one after another */
         for (int64_t j = 1; j < k; j++) sum += w[j];
         for (int64_t j = 0; j < k; j++) w[j] = w[j] / sum;
     }
+    return 0;
 }
 
 /* route_token for each of `rows` rows of logits [rows, n] into w, ids [rows, k]: exported so that the caller can
- * compare it with torch's own routing on this host. Returns -1 for sizes out of range. */
+ * compare it with torch's own routing on this host. Returns -1 for sizes out of range, 1 where a row's scores tie
+ * (route_token), else 0. */
 int raymoe_route(int kind, int lanes, const float *logits, int64_t rows, int64_t n, int64_t k, float *w,
                  int64_t *ids) {
     if (n < 1 || n > 1024 || k < 1 || k > 64 || k > n || (lanes != 8 && lanes != 16)) return -1;
-    for (int64_t r = 0; r < rows; r++) route_token(kind, lanes, logits + r * n, n, k, w + r * k, ids + r * k);
-    return 0;
+    int ties = 0;
+    for (int64_t r = 0; r < rows; r++) ties |= route_token(kind, lanes, logits + r * n, n, k, w + r * k, ids + r * k);
+    return ties;
 }
 
 typedef void (*rms_norm_fn)(const float *x, int64_t m, int64_t k, const float *w, float eps, float *y);
@@ -2966,33 +2981,43 @@ typedef int (*dn_decode_fn)(int64_t n, const int64_t *rows, const float *qkv, co
                             float *states, const float *a, const float *dt_bias, const float *norm, float eps,
                             int64_t nk, int64_t nv, int64_t dk, int64_t dv, float *out, int64_t ld_out);
 
-/* A weight of a one-row product: float32 rows [n, k] (few_rows.c's raymoe_f32_grouped) or GGML blocks. */
+/* A weight of a decode step's products: float32 rows [n, k] (few_rows.c's raymoe_f32_grouped) or GGML blocks. */
 typedef struct {
     int blocks, type, quantize;     /* blocks: GGML blocks of `type` (raymoe_blocks_grouped), else float32 */
     const void *w;
     int64_t n, stride;              /* rows; bytes from one row to the next (blocks) */
 } row_weight;
 
-/* y [width] = x [k] times the weights' rows, each weight into the columns after the one before: the calls that
- * one-row products make (the same arguments, so the same bits). Returns 0, or -1 when out of memory. */
-static int row_products(f32_rows_fn f32_rows, const row_weight *weights, int64_t count, const float *x, int64_t k,
-                        float *y, int64_t width) {
-    static const int64_t one_row[3] = {0, 0, 1};
+/* The most rows (sequences) a layer call takes: the few-row kernels compute each of that many rows by itself
+ * (kernels/weights.py's rows_computed_alone), and a feed-forward's rows k slots fit its plan's 64. */
+#define TOKEN_ROWS 8
+
+/* y [rows, width] = x [rows, k] times the weights' rows, each weight into the columns after the one before: the
+ * calls that a decode step's products of these rows make (the same arguments, so the same bits). Returns 0, or
+ * -1 when out of memory. */
+static int row_products(f32_rows_fn f32_rows, const row_weight *weights, int64_t count, const float *x,
+                        int64_t rows, int64_t k, float *y, int64_t width) {
+    const int64_t all_rows[3] = {0, 0, rows};
     int64_t column = 0;
     for (int64_t i = 0; i < count; i++) {
         const row_weight *p = &weights[i];
         if (!p->blocks)
-            f32_rows(x, k, (const float *)p->w, 0, one_row, 1, p->n, k, y + column, width);
-        else if (raymoe_blocks_grouped(p->type, p->quantize, x, 1, k, (const uint8_t *)p->w, p->stride, NULL, 0, p->n,
-                                       one_row, 1, p->n, k, y + column, width))
+            f32_rows(x, k, (const float *)p->w, 0, all_rows, 1, p->n, k, y + column, width);
+        else if (raymoe_blocks_grouped(p->type, p->quantize, x, rows, k, (const uint8_t *)p->w, p->stride, NULL, 0,
+                                       p->n, all_rows, 1, p->n, k, y + column, width))
             return -1;
         column += p->n;
     }
     return 0;
 }
 
-/* A layer's feed-forward for one decode token: the post-attention RMSNorm, the router's product (its columns:
- * the logits, then with a shared expert its gate and its gate/up), the routing, then raymoe_moe_token. The
+/* out [rows, h] = x + part [rows, h] */
+static void residual(const float *x, const float *part, int64_t rows, int64_t h, float *out) {
+    for (int64_t i = 0; i < rows * h; i++) out[i] = x[i] + part[i];
+}
+
+/* A layer's feed-forward for a decode step's tokens: the post-attention RMSNorm, the router's product (its
+ * columns: the logits, then with a shared expert its gate and its gate/up), the routing, the experts. The
  * functions of the other libraries come as pointers: the same calls as the separate ops make. */
 typedef struct {
     rms_norm_fn rms_norm;
@@ -3004,36 +3029,87 @@ typedef struct {
     row_weight part[4];             /* the router's product */
     const float *bias;              /* the router's bias [width], or NULL */
     moe_weight gate_up, down, shared;
-    float *scratch;                 /* raymoe_token_ffn_scratch floats */
 } token_ffn;
 
-int64_t raymoe_token_ffn_scratch(int64_t h, int64_t width, int64_t k, int64_t ff, int64_t sff) {
-    return 2 * 64 + 64 + h + width + k * (3 * ff + h) + sff + h + h;
+/* The floats of raymoe_token_ffn's scratch for `rows` tokens. */
+int64_t raymoe_token_ffn_scratch(const token_ffn *f, int64_t rows) {
+    const int64_t slots = rows * f->k, h = f->h;
+    return 2 * slots + slots + rows * (h + f->width) + slots * (h + 3 * f->ff + 2 * h) + rows * (f->sff + 2 * h) +
+           f->k * (3 * f->ff + h) + f->sff + h;
 }
 
-/* out [h] = x + the feed-forward of x [h] (one token): Block.decode's `h + ffn(rms_norm(h))` in one call, with the
- * bits of the separate calls. Returns 0, or -1 when out of memory. */
-int raymoe_token_ffn(const token_ffn *f, const float *x, float *out) {
-    const int64_t h = f->h, k = f->k;
-    int64_t *ids = (int64_t *)f->scratch;
-    float *w = f->scratch + 2 * 64, *xn = w + 64, *y = xn + h, *moe_scratch = y + f->width,
-          *moe = moe_scratch + k * (3 * f->ff + h) + f->sff + h;
-    f->rms_norm(x, 1, h, f->norm, f->eps, xn);
-    if (row_products(f->f32_rows, f->part, f->parts, xn, h, y, f->width)) return -1;
-    if (f->bias)
-        for (int64_t i = 0; i < f->width; i++) y[i] += f->bias[i];
-    route_token(f->route, f->lanes, y, f->experts, k, w, ids);
-    const float *shared_gate_up = f->sff ? y + f->experts + 1 : NULL;
-    if (raymoe_moe_token(xn, h, k, ids, w, &f->gate_up, f->ff, &f->down, f->act, f->exp_kind, f->alpha, f->limit,
-                         shared_gate_up, f->sff, f->sff ? &f->shared : NULL, f->sff ? y + f->experts : NULL,
-                         moe_scratch, moe))
-        return -1;
-    for (int64_t i = 0; i < h; i++) out[i] = x[i] + moe[i];
+/* The MoE of `rows` tokens after their router, as the separate ops compute it (kernels/moe.py): the slots
+ * (token t's j-th expert: slot t k + j) sorted stably by expert, so that an expert's rows share one pass over
+ * its weights; the gate/up products, the activation, the down products; the shared expert's activation of its
+ * gate/up (the router's columns after the gate) and down product; raymoe_moe_combine. Each row of these
+ * products is computed by itself (rows <= TOKEN_ROWS): the bits of one token alone. */
+static int moe_rows(const token_ffn *f, int64_t rows, const float *xn, const float *y, const int64_t *ids,
+                    const float *w, float *scratch, float *out) {
+    const int64_t h = f->h, k = f->k, ff = f->ff, sff = f->sff, slots = rows * k;
+    int64_t order[TOKEN_ROWS * 64], groups[3 * TOKEN_ROWS * 64], count = 0;
+    float *tokens = scratch, *hidden = tokens + slots * h, *activated = hidden + slots * 2 * ff,
+          *sorted = activated + slots * ff, *slot_rows = sorted + slots * h, *shared_act = slot_rows + slots * h,
+          *shared = shared_act + rows * sff;
+    for (int64_t s = 0; s < slots; s++) {           /* insertion sort: stable */
+        int64_t i = s;
+        for (; i > 0 && ids[order[i - 1]] > ids[s]; i--) order[i] = order[i - 1];
+        order[i] = s;
+    }
+    for (int64_t i = 0; i < slots; i++) {
+        if (i == 0 || ids[order[i]] != ids[order[i - 1]]) {
+            groups[3 * count] = ids[order[i]];
+            groups[3 * count + 1] = i;
+            count++;
+        }
+        groups[3 * count - 1] = i + 1;
+        memcpy(tokens + i * h, xn + order[i] / k * h, sizeof(float) * (size_t)h);
+    }
+    if (expert_groups(&f->gate_up, tokens, h, slots, groups, count, 2 * ff, h, hidden)) return -1;
+    raymoe_moe_activation(f->act, f->exp_kind, f->alpha, f->limit, hidden, slots, ff, activated);
+    if (expert_groups(&f->down, activated, ff, slots, groups, count, h, ff, sorted)) return -1;
+    for (int64_t i = 0; i < slots; i++)
+        memcpy(slot_rows + order[i] * h, sorted + i * h, sizeof(float) * (size_t)h);
+    if (sff) {
+        const int64_t all_rows[3] = {0, 0, rows};
+        for (int64_t t = 0; t < rows; t++)
+            raymoe_moe_activation(f->act, f->exp_kind, f->alpha, f->limit, y + t * f->width + f->experts + 1, 1, sff,
+                                  shared_act + t * sff);
+        if (expert_groups(&f->shared, shared_act, sff, rows, all_rows, 1, h, sff, shared)) return -1;
+    }
+    raymoe_moe_combine(rows, k, h, slot_rows, w, sff ? y + f->experts : NULL, f->width, shared, out);
     return 0;
 }
 
-/* A Gated DeltaNet layer's mixer for one decode token: the input RMSNorm, the input projections ([qkv | z | beta |
- * alpha] columns), deltanet.c's raymoe_dn_decode (its pointer: that library's call), the out projection. */
+/* out [rows, h] = x + the feed-forward of x [rows, h] (a decode step's tokens, rows 1 to TOKEN_ROWS, rows k <=
+ * 64): Block.decode's `h + ffn(rms_norm(h))` in one call, with the bits of the separate calls. One token takes
+ * raymoe_moe_token, as the separate ops do. scratch: raymoe_token_ffn_scratch floats. Returns 0; 1 where a
+ * token's router scores tie (route_token), out untouched; -1 when out of memory (or rows is out of range). */
+int raymoe_token_ffn(const token_ffn *f, int64_t rows, const float *x, float *scratch, float *out) {
+    const int64_t h = f->h, k = f->k, slots = rows * k;
+    if (rows < 1 || rows > TOKEN_ROWS || slots > 64) return -1;
+    int64_t *ids = (int64_t *)scratch;
+    float *w = scratch + 2 * slots, *xn = w + slots, *y = xn + rows * h, *moe = y + rows * f->width,
+          *moe_scratch = moe + rows * h;
+    f->rms_norm(x, rows, h, f->norm, f->eps, xn);
+    if (row_products(f->f32_rows, f->part, f->parts, xn, rows, h, y, f->width)) return -1;
+    for (int64_t t = 0; f->bias && t < rows; t++)
+        for (int64_t i = 0; i < f->width; i++) y[t * f->width + i] += f->bias[i];
+    for (int64_t t = 0; t < rows; t++)
+        if (route_token(f->route, f->lanes, y + t * f->width, f->experts, k, w + t * k, ids + t * k))
+            return 1;       /* tied scores: the caller routes these tokens with torch (nothing written to out) */
+    if (rows > 1) {
+        if (moe_rows(f, rows, xn, y, ids, w, moe_scratch, moe)) return -1;
+    } else if (raymoe_moe_token(xn, h, k, ids, w, &f->gate_up, f->ff, &f->down, f->act, f->exp_kind, f->alpha,
+                                f->limit, f->sff ? y + f->experts + 1 : NULL, f->sff, f->sff ? &f->shared : NULL,
+                                f->sff ? y + f->experts : NULL, moe_scratch, moe)) {
+        return -1;
+    }
+    residual(x, moe, rows, h, out);
+    return 0;
+}
+
+/* A Gated DeltaNet layer's mixer for a decode step's tokens: the input RMSNorm, the input projections ([qkv | z |
+ * beta | alpha] columns), deltanet.c's raymoe_dn_decode (its pointer: that library's call), the out projection. */
 typedef struct {
     rms_norm_fn rms_norm;
     f32_rows_fn f32_rows;
@@ -3042,24 +3118,32 @@ typedef struct {
     float eps, dn_eps;
     int64_t h, parts, width, K, nk, nv, dk, dv;
     row_weight part[4], out;        /* the input projections; the out projection [h, nv dv] */
-    float *scratch;                 /* h + width + nv dv + h floats */
 } token_deltanet;
 
-/* out [h] = x + the DeltaNet mixer of x [h] (one token), its caches conv_states [K-1, C] and states [nv, dk, dv]
- * updated in place: Block.decode's `x + mixer(rms_norm(x))` in one call, with the bits of the separate calls.
- * Returns 0, or -1 when out of memory. */
-int raymoe_token_deltanet(const token_deltanet *d, const float *x, float *conv_states, float *states, float *out) {
-    static const int64_t first_row = 0;
+/* The floats of raymoe_token_deltanet's scratch for `rows` tokens. */
+int64_t raymoe_token_deltanet_scratch(const token_deltanet *d, int64_t rows) {
+    return rows * (2 * d->h + d->width + d->nv * d->dv);
+}
+
+/* out [rows, h] = x + the DeltaNet mixer of x [rows, h] (one token of each of rows sequences, 1 to TOKEN_ROWS),
+ * their caches conv_states [rows, K-1, C] and states [rows, nv, dk, dv] updated in place: Block.decode's `x +
+ * mixer(rms_norm(x))` in one call, with the bits of the separate calls. scratch: raymoe_token_deltanet_scratch
+ * floats. Returns 0, or -1 when out of memory (or rows is out of range). */
+int raymoe_token_deltanet(const token_deltanet *d, int64_t rows, const float *x, float *conv_states, float *states,
+                          float *scratch, float *out) {
     const int64_t h = d->h, key_dim = d->nk * d->dk, values = d->nv * d->dv, conv_dim = 2 * key_dim + values;
-    float *xn = d->scratch, *y = xn + h, *o = y + d->width, *mix = o + values;
-    d->rms_norm(x, 1, h, d->norm, d->eps, xn);
-    if (row_products(d->f32_rows, d->part, d->parts, xn, h, y, d->width)) return -1;
-    if (d->dn_decode(1, &first_row, y, y + conv_dim, y + conv_dim + values, y + conv_dim + values + d->nv, d->width,
+    int64_t index[TOKEN_ROWS];
+    if (rows < 1 || rows > TOKEN_ROWS) return -1;
+    for (int64_t i = 0; i < rows; i++) index[i] = i;
+    float *xn = scratch, *y = xn + rows * h, *o = y + rows * d->width, *mix = o + rows * values;
+    d->rms_norm(x, rows, h, d->norm, d->eps, xn);
+    if (row_products(d->f32_rows, d->part, d->parts, xn, rows, h, y, d->width)) return -1;
+    if (d->dn_decode(rows, index, y, y + conv_dim, y + conv_dim + values, y + conv_dim + values + d->nv, d->width,
                      d->taps, d->K, conv_states, states, d->a, d->dt_bias, d->dn_norm, d->dn_eps, d->nk, d->nv, d->dk,
                      d->dv, o, values))
         return -1;
-    if (row_products(d->f32_rows, &d->out, 1, o, values, mix, h)) return -1;
-    for (int64_t i = 0; i < h; i++) out[i] = x[i] + mix[i];
+    if (row_products(d->f32_rows, &d->out, 1, o, rows, values, mix, h)) return -1;
+    residual(x, mix, rows, h, out);
     return 0;
 }
 
@@ -3077,9 +3161,9 @@ static inline void gate_rows(const float *x, const float *g, int64_t n, float *y
 
 void raymoe_gate_rows(const float *x, const float *g, int64_t n, float *y) { gate_rows(x, g, n, y); }
 
-/* An attention layer's mixer for one decode token: the input RMSNorm, the q/k/v product (with Qwen's output gate
- * each q head is followed by its gate head), per-head RMSNorm of q and k (Qwen), RoPE, the cache's new row,
- * attention.c's kernel (its pointer), the gate, the out product. */
+/* An attention layer's mixer for a decode step's tokens: the input RMSNorm, the q/k/v product (with Qwen's output
+ * gate each q head is followed by its gate head), per-head RMSNorm of q and k (Qwen), RoPE, each cache's new row,
+ * attention.c's kernel (its pointer) for each sequence, the gate, the out product. */
 typedef struct {
     rms_norm_fn rms_norm;
     f32_rows_fn f32_rows;
@@ -3090,45 +3174,55 @@ typedef struct {
     int gate;
     int64_t h, heads, kv_heads, d, window, parts, width;
     row_weight part[4], out;        /* the q/k/v product; the out product [h, heads d] */
-    float *scratch;                 /* h + width + 5 heads d + kv_heads d + h floats */
 } token_attention;
 
-/* out [h] = x + the attention mixer of x [h] (one token at `position`): Block.decode's `x + mixer(rms_norm(x))` in
- * one call, with the bits of the separate calls. cos, sin [rd]: the token's RoPE table; keys, values [length,
- * kv_heads, d] and k_pos [length]: the cache with the row this token writes (the last) reserved. Returns 0, or -1
- * when out of memory. */
-int raymoe_token_attention(const token_attention *a, const float *x, const float *cos, const float *sin, int64_t rd,
-                           int64_t position, float *keys, float *values, int64_t *k_pos, int64_t length, float *out) {
+/* The floats of raymoe_token_attention's scratch for `rows` tokens. */
+int64_t raymoe_token_attention_scratch(const token_attention *a, int64_t rows) {
+    return rows * (2 * a->h + a->width + 5 * a->heads * a->d + a->kv_heads * a->d);
+}
+
+/* out [rows, h] = x + the attention mixer of x [rows, h] (one token of each of rows sequences, 1 to TOKEN_ROWS,
+ * token t at positions[t]): Block.decode's `x + mixer(rms_norm(x))` in one call, with the bits of the separate
+ * calls. cos, sin [rows, rd]: the tokens' RoPE tables; keys[t], values[t] [lengths[t], kv_heads, d] and k_pos[t]
+ * [lengths[t]]: sequence t's cache with the row its token writes (the last) reserved. scratch:
+ * raymoe_token_attention_scratch floats. Returns 0, or -1 when out of memory (or rows is out of range). */
+int raymoe_token_attention(const token_attention *a, int64_t rows, const float *x, const float *cos, const float *sin,
+                           int64_t rd, const int64_t *positions, float *const *keys, float *const *values,
+                           int64_t *const *k_pos, const int64_t *lengths, float *scratch, float *out) {
     const int64_t h = a->h, d = a->d, qd = a->heads * d, kvd = a->kv_heads * d, step = a->gate ? 2 * d : d;
-    float *xn = a->scratch, *y = xn + h, *q = y + a->width, *qn = q + qd, *qr = qn + qd, *o = qr + qd,
-          *g = o + qd, *kn = g + qd, *mix = kn + kvd;
-    a->rms_norm(x, 1, h, a->norm, a->eps, xn);
-    if (row_products(a->f32_rows, a->part, a->parts, xn, h, y, a->width)) return -1;
-    if (a->qkv_bias)
-        for (int64_t i = 0; i < a->width; i++) y[i] += a->qkv_bias[i];
-    const float *k = y + a->heads * step, *v = k + kvd;
-    for (int64_t head = 0; head < a->heads; head++) {
-        memcpy(q + head * d, y + head * step, sizeof(float) * (size_t)d);
-        if (a->gate) memcpy(g + head * d, y + head * step + d, sizeof(float) * (size_t)d);
+    if (rows < 1 || rows > TOKEN_ROWS) return -1;
+    float *xn = scratch, *y = xn + rows * h, *q = y + rows * a->width, *qn = q + rows * qd, *qr = qn + rows * qd,
+          *o = qr + rows * qd, *g = o + rows * qd, *kn = g + rows * qd, *mix = kn + rows * kvd;
+    a->rms_norm(x, rows, h, a->norm, a->eps, xn);
+    if (row_products(a->f32_rows, a->part, a->parts, xn, rows, h, y, a->width)) return -1;
+    for (int64_t t = 0; a->qkv_bias && t < rows; t++)
+        for (int64_t i = 0; i < a->width; i++) y[t * a->width + i] += a->qkv_bias[i];
+    for (int64_t t = 0; t < rows; t++) {
+        const float *yt = y + t * a->width, *k = yt + a->heads * step, *v = k + kvd;
+        float *qt = q + t * qd, *gt = g + t * qd;
+        for (int64_t head = 0; head < a->heads; head++) {
+            memcpy(qt + head * d, yt + head * step, sizeof(float) * (size_t)d);
+            if (a->gate) memcpy(gt + head * d, yt + head * step + d, sizeof(float) * (size_t)d);
+        }
+        if (a->q_norm) {
+            a->rms_norm(qt, a->heads, d, a->q_norm, a->qk_eps, qn + t * qd);
+            a->rms_norm(k, a->kv_heads, d, a->k_norm, a->qk_eps, kn + t * kvd);
+            qt = qn + t * qd;
+            k = kn + t * kvd;
+        }
+        const int64_t last = lengths[t] - 1;
+        a->rope(qt, 1, a->heads, d, cos + t * rd, sin + t * rd, rd, qr + t * qd);
+        a->rope(k, 1, a->kv_heads, d, cos + t * rd, sin + t * rd, rd, keys[t] + last * kvd);
+        memcpy(values[t] + last * kvd, v, sizeof(float) * (size_t)kvd);
+        k_pos[t][last] = positions[t];
+        if (a->attention(qr + t * qd, 1, a->heads, d, keys[t], values[t], lengths[t], a->kv_heads, d, positions + t,
+                         k_pos[t], a->scale, a->window, a->sinks, o + t * qd))
+            return -1;
     }
-    if (a->q_norm) {
-        a->rms_norm(q, a->heads, d, a->q_norm, a->qk_eps, qn);
-        a->rms_norm(k, a->kv_heads, d, a->k_norm, a->qk_eps, kn);
-        q = qn;
-        k = kn;
-    }
-    float *row = keys + (length - 1) * kvd;
-    a->rope(q, 1, a->heads, d, cos, sin, rd, qr);
-    a->rope(k, 1, a->kv_heads, d, cos, sin, rd, row);
-    memcpy(values + (length - 1) * kvd, v, sizeof(float) * (size_t)kvd);
-    k_pos[length - 1] = position;
-    if (a->attention(qr, 1, a->heads, d, keys, values, length, a->kv_heads, d, &position, k_pos, a->scale, a->window,
-                     a->sinks, o))
-        return -1;
-    if (a->gate) gate_rows(o, g, qd, o);
-    if (row_products(a->f32_rows, &a->out, 1, o, qd, mix, h)) return -1;
-    if (a->o_bias)
-        for (int64_t i = 0; i < h; i++) mix[i] += a->o_bias[i];
-    for (int64_t i = 0; i < h; i++) out[i] = x[i] + mix[i];
+    if (a->gate) gate_rows(o, g, rows * qd, o);
+    if (row_products(a->f32_rows, &a->out, 1, o, rows, qd, mix, h)) return -1;
+    for (int64_t t = 0; a->o_bias && t < rows; t++)
+        for (int64_t i = 0; i < h; i++) mix[t * h + i] += a->o_bias[i];
+    residual(x, mix, rows, h, out);
     return 0;
 }
