@@ -2989,7 +2989,7 @@ typedef struct {
 } row_weight;
 
 /* The most rows (sequences) a layer call takes: the few-row kernels compute each of that many rows by itself
- * (kernels/weights.py's rows_computed_alone), and a feed-forward's rows k slots fit its plan's 64. */
+ * (kernels/weights.py's rows_computed_alone). A feed-forward takes at most 64 slots (rows times its k). */
 #define TOKEN_ROWS 8
 
 /* y [rows, width] = x [rows, k] times the weights' rows, each weight into the columns after the one before: the
@@ -3046,7 +3046,7 @@ int64_t raymoe_token_ffn_scratch(const token_ffn *f, int64_t rows) {
 static int moe_rows(const token_ffn *f, int64_t rows, const float *xn, const float *y, const int64_t *ids,
                     const float *w, float *scratch, float *out) {
     const int64_t h = f->h, k = f->k, ff = f->ff, sff = f->sff, slots = rows * k;
-    int64_t order[TOKEN_ROWS * 64], groups[3 * TOKEN_ROWS * 64], count = 0;
+    int64_t order[64], groups[3 * 64], count = 0;      /* slots <= 64: raymoe_token_ffn checks */
     float *tokens = scratch, *hidden = tokens + slots * h, *activated = hidden + slots * 2 * ff,
           *sorted = activated + slots * ff, *slot_rows = sorted + slots * h, *shared_act = slot_rows + slots * h,
           *shared = shared_act + rows * sff;
