@@ -136,8 +136,8 @@ def _parts(call, weights: list[RowWeight]) -> int:
 
 
 class TokenFFN:
-    """A layer's feed-forward for one decode token in one call (raymoe_token_ffn): `x + moe(rms_norm(x))`, the
-    post-attention norm, the router's product, the routing and moe_token. moe: the layer's blocks.TokenMoE; norm
+    """A layer's feed-forward for a decode step's tokens in one call (raymoe_token_ffn): `x + moe(rms_norm(x))`, the
+    post-attention norm, the router's product, the routing and the experts. moe: the layer's blocks.TokenMoE; norm
     and eps: the norm's float32 weight and epsilon; router: row_weights of the router's product (the logits, then
     with a shared expert its gate and gate/up); bias: the router's [width] or None; route and lanes: raymoe_route's
     kind and lanes (route_lanes); experts and k: the routed experts and how many a token takes. `keep`: what the
@@ -183,7 +183,7 @@ class TokenFFN:
 
 
 class TokenDeltaNet:
-    """A Gated DeltaNet layer's mixer for one decode token in one call (raymoe_token_deltanet): `x +
+    """A Gated DeltaNet layer's mixer for a decode step's tokens in one call (raymoe_token_deltanet): `x +
     mixer(rms_norm(x))`. net: its kernels.deltanet.GatedDeltaNet; norm and eps: the input norm's float32 weight and
     epsilon; inputs: row_weights of the input projections ([qkv | z | beta | alpha], V heads tiled); out: of the out
     projection (one weight); h: the hidden size. `keep`: what the weights' pointers point into."""
@@ -232,7 +232,7 @@ class TokenDeltaNet:
 
 
 class TokenAttention:
-    """An attention layer's mixer for one decode token in one call (raymoe_token_attention): `x +
+    """An attention layer's mixer for a decode step's tokens in one call (raymoe_token_attention): `x +
     mixer(rms_norm(x))`. attn: its stages.attention.Attention; norm and eps: the input norm's float32 weight and
     epsilon; qkv, out: row_weights of its q/k/v and out products; h: the hidden size. `keep`: what the weights'
     pointers point into."""

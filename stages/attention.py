@@ -136,7 +136,7 @@ class Attention:
             ctx.caches[sid][layer].trim()
 
     def token_call(self, norm: torch.Tensor, eps: float) -> token_calls.TokenAttention | None:
-        """`x + self.decode(rms_norm(x, norm, eps), inputs)` for one decode token as one C call with the same bits
+        """`x + self.decode(rms_norm(x, norm, eps), inputs)` for a few decode tokens as one C call with the same bits
         (kernels/token_calls.py), where this layer's calls allow it: the compiled RoPE and attention kernels, float32
         norms, biases and sinks, products that token_calls.row_weights takes, Qwen's output gate where the library
         computes torch's sigmoid. None otherwise."""

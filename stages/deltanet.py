@@ -215,7 +215,7 @@ class DeltaNet:
         pass
 
     def token_call(self, norm: torch.Tensor, eps: float) -> token_calls.TokenDeltaNet | None:
-        """`x + self.decode(rms_norm(x, norm, eps), caches)` for one decode token as one C call with the same bits
+        """`x + self.decode(rms_norm(x, norm, eps), caches)` for a few decode tokens as one C call with the same bits
         (kernels/token_calls.py), where this layer's calls allow it: the file's V-head order, the compiled decode
         step, projections that token_calls.row_weights takes. None otherwise."""
         net = self.net

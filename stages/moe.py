@@ -129,7 +129,7 @@ class MoE:
                 None if shared is None else (shared.raw, shared.type, shared.quantize_activations))
 
     def token_ffn(self, norm: torch.Tensor, eps: float) -> token_calls.TokenFFN | None:
-        """`x + self(rms_norm(x, norm, eps))` for one decode token as one C call with the same bits
+        """`x + self(rms_norm(x, norm, eps))` for a few decode tokens as one C call with the same bits
         (kernels/token_calls.py), where this layer's calls allow it: the one-call MoE above (token_call), a router
         that token_calls.row_weights takes, a routing the library computes with this torch's bits. None otherwise."""
         s = self.spec

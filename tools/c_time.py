@@ -80,7 +80,7 @@ def measure(path: str, tokens: int, sequences: int = 1, threads: int = 2, mode: 
             engine.run_until_done()
             return time.perf_counter() - start, dict(totals), dict(counts)
 
-        generate(4)         # warm up: the libraries' first calls, the layers' one-token calls made
+        generate(4)         # warm up: the libraries' first calls, the layers' calls made
         one, one_t, one_n = generate(1)
         many, many_t, many_n = generate(tokens + 1)
     finally:
