@@ -22,6 +22,7 @@ from stages.engine import split_layers
 from stages.memory import GiB, prefix_shares, stage_need
 from stages.stage import Stage, StageWeights
 
+from .chain import ChainLink
 from .shm import SLOTS, Ring, unlink
 
 
@@ -101,7 +102,9 @@ class StageActor:
         self.threads_used: set[int] = set()          # thread counts steps ran with (stats)
         self.busy_s = 0.0                            # seconds spent computing steps (stats)
         self.stage = self.group = None
-        self.ring_in = self.ring_out = None         # shm transport: rings from the previous / to the next stage
+        self.link = ChainLink()                     # shm transport: the rings to the other stages
+        if stages_here > 1:     # the stage computing next uses these cores: no worker of this one may spin on them
+            self.link.on_hand_over = release_openmp_workers
         self.loaded = (0, 0)
 
     def load(self) -> int:
@@ -137,13 +140,14 @@ class StageActor:
         self.threads_used.add(torch.get_num_threads())
 
     def _forward(self, batch, hidden):
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.link.waited_s
         try:
             return self.stage.forward(batch, hidden)
         finally:
             if self.stages_here > 1:    # the next stage computes on these cores: no worker may spin on
                 release_openmp_workers()
-            self.busy_s += time.perf_counter() - start
+            # a chain of steps (cluster/chain.py) also waits for the other stages within the call
+            self.busy_s += time.perf_counter() - start - (self.link.waited_s - waited)
 
     def forward(self, batch, hidden=None):
         """Object-store transport: the previous stage's output arrives as this call's argument (through
@@ -197,42 +201,42 @@ class StageActor:
             return None
         return out
 
-    # shared-memory ring transport (stages on one node; cluster/shm.py)
-    def shm_create(self, path: str, max_tokens: int) -> int:
-        """The ring from the previous stage, sized for max_tokens activations; returns its slot bytes."""
-        slot_bytes = max_tokens * self.hidden_size * 4
-        self.ring_in = Ring.create(path, SLOTS, slot_bytes)
+    # shared-memory ring transport (stages on one node; cluster/shm.py, cluster/chain.py)
+    def shm_create(self, path: str, max_tokens: int, back_slots: int = 0) -> int:
+        """The ring from the previous stage, sized for max_tokens activations; or with back_slots, the first
+        stage's ring from the last, for the tokens of up to max_tokens chunks a step. Returns its slot bytes."""
+        if back_slots:
+            slot_bytes = max_tokens * 3 * 8         # (sequence, position, token) int64s
+            self.link.back = Ring.create(path, back_slots, slot_bytes)
+        else:
+            slot_bytes = max_tokens * self.hidden_size * 4
+            self.link.ring_in = Ring.create(path, SLOTS, slot_bytes)
         return slot_bytes
 
-    def shm_attach(self, path: str, slot_bytes: int):
-        """The ring to the next stage, which created it."""
-        self.ring_out = Ring.attach(path, SLOTS, slot_bytes)
+    def shm_attach(self, path: str, slot_bytes: int, back_slots: int = 0):
+        """The ring to the next stage (or with back_slots, the last stage's ring to the first), which created it."""
+        if back_slots:
+            self.link.back = Ring.attach(path, back_slots, slot_bytes)
+        else:
+            self.link.ring_out = Ring.attach(path, SLOTS, slot_bytes)
 
     def shm_unlink(self, path: str):
         unlink(path)
 
     def shm_close(self):
-        for ring in (self.ring_in, self.ring_out):
-            if ring is not None:
-                ring.close()
-        self.ring_in = self.ring_out = None
+        self.link.close()
+        if self.stage is not None:
+            self.stage.link = None
+
+    def shm_chain(self):
+        """Every ring is there: the stage may run chains of decode steps (StepBatch.follow) over them."""
+        self.stage.link = self.link
 
     def forward_shm(self, batch):
-        """Read the previous stage's hidden states from its ring, run the layers, write them to the next
-        stage's ring; the last stage returns the sampled tokens. A failure here is passed down the rings, so
-        that the later stages fail this step too instead of waiting."""
-        try:
-            self._take_threads(batch)
-            hidden = self.ring_in.recv() if self.ring_in else None
-            out = self._forward(batch, hidden)
-            if self.ring_out is None:
-                return out
-            self.ring_out.send(out)
-            return None
-        except BaseException as e:
-            if self.ring_out:
-                self.ring_out.send_failure(isinstance(e, MemoryError))
-            raise
+        """The stage's call over the shm rings (cluster/chain.py ChainLink.forward); the last stage returns the
+        sampled tokens."""
+        self._take_threads(batch)
+        return self.link.forward(batch, self._forward)
 
     def release(self, seq_ids: list[int]):
         for sid in seq_ids:

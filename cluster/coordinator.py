@@ -83,7 +83,7 @@ class Coordinator:
         # results (None: all of them)
         self.in_flight: dict[int, tuple] = {}
         # (group, refs, plan, batch): the step after its group's one in flight, sent before that one's token is
-        # back (a one-stage pipeline; _launch_ahead)
+        # back (a pipeline that chains steps; _launch_ahead)
         self.ahead: tuple | None = None
         self.ahead_steps = self.ahead_dropped = 0      # steps sent ahead, and of those the ones not used
         self.merged_steps = 0                           # steps that carried several groups' decode steps
@@ -252,7 +252,8 @@ class Coordinator:
                               f"(stall timeout {self.stall_timeout:g} s)")
 
     def pipeline_stats(self) -> dict:
-        return {"stages": self.pipeline.stats(), "steps": self.steps, "restarts": self.restarts,
+        return {"stages": self.pipeline.stats(), "transport": self.pipeline.transport, "steps": self.steps,
+                "restarts": self.restarts,
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
                 "prefill_tokens": self.core.prefill_tokens, "ahead_steps": self.ahead_steps,
                 "ahead_dropped": self.ahead_dropped, "merged_steps": self.merged_steps,
@@ -284,7 +285,7 @@ class Coordinator:
         for g, batch, plan in planned_now:
             self.in_flight[g] = (None, plan, batch, None)
         self._submit_held()
-        if self.spec.args.pp == 1 and self.ahead is None and len(self.in_flight) == 1:
+        if self.pipeline.chains and self.ahead is None and len(self.in_flight) == 1:
             self._launch_ahead()
 
     def _submit_held(self):
@@ -339,7 +340,8 @@ class Coordinator:
         self._maybe_inject_fault()
 
     def _launch_ahead(self):
-        """One batch in flight on a one-stage pipeline: when it is one sequence's step, send its next step now
+        """One batch in flight on a pipeline that chains steps (Pipeline.chains: one stage, or stages linked by shm
+        rings): when it is one sequence's step, send its next step now
         (stages/engine.py plan_ahead), so that the stage starts it as soon as this one ends instead of waiting
         for the coordinator to consume the result and plan again, as vLLM's asynchronous scheduling does. It is
         the step the coordinator would send next, so the outputs are the same. With steps_per_call > 1 it runs that

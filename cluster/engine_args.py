@@ -18,7 +18,7 @@ from stages.errors import RaymoeError, RequestError
 from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
 DEVICES = ("cpu", "cuda")
-TRANSPORTS = ("object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
+TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
 # pack: as few nodes as possible; spread: each bundle on a different node while there are nodes (best effort)
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 STALL_TIMEOUT = 120.0      # seconds without a completed step, while work waits, before the health check fails
@@ -32,7 +32,7 @@ class EngineArgs:
     ep: int = 0                              # expert actors per stage (0: experts run in the stage)
     dtype: str = "auto"                      # a key of stages.loader.MODES
     device: str = "cpu"
-    transport: str = "object_store"          # one of TRANSPORTS
+    transport: str = "auto"                  # one of TRANSPORTS
     placement: str = "pack"                  # a key of PLACEMENTS
     threads: int | None = None               # torch threads per actor (None: a share of its node's cores per step)
     split: list[int] | None = None           # layers per stage (None: even)
@@ -40,7 +40,7 @@ class EngineArgs:
     max_batch_tokens: int = 512              # tokens per micro-batch
     prefill_chunk: int = 256                 # a long prompt's tokens per step
     itl_target_ms: float | None = None       # while sequences decode, prompt chunks shrink to keep tokens this close
-    steps_per_call: int = 4                  # decode steps one stage call runs for a lone sequence at pp 1
+    steps_per_call: int = 4                  # decode steps one call runs for a lone sequence (pp 1, or shm)
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
@@ -166,7 +166,8 @@ FLAGS = {
     "pp": dict(type=int, help="pipeline stages, one Ray actor each (at most the layer count)"),
     "ep": dict(type=int, help="expert actors per stage (0: experts run in the stage)"),
     "split": dict(type=parse_split, help="layers per stage, e.g. 3,5 (default: even)"),
-    "transport": dict(choices=TRANSPORTS, help="how activations move between stages"),
+    "transport": dict(choices=TRANSPORTS, help="how activations move between stages (auto: shm where every stage "
+                                                              "is on one CPU node, else object_store)"),
     "placement": dict(choices=tuple(PLACEMENTS),
                       help="a pipeline's stages on as few nodes as possible, or on different nodes"),
     "microbatches": dict(type=int, help="micro-batch groups (>= --pp; none: --pp, the fewest, largest batches; 4, "
@@ -198,8 +199,9 @@ FLAGS = {
                                "to what keeps it within MS milliseconds (measured step costs; shorter inter-token "
                                "latency for a longer time to first token; default: no bound)"),
     "steps_per_call": dict(type=int, metavar="N",
-                           help="with one sequence running at --pp 1, each call to the stage runs up to N decode "
-                                "steps and returns their tokens together: fewer calls through Ray a token, tokens "
+                           help="with one sequence running (at --pp 1, or over the shm transport), each call runs "
+                                "up to N decode steps and returns their tokens together: fewer calls through Ray a "
+                                "token, tokens "
                                 "streamed N at a time (default %(default)s; the outputs are the same at any N)"),
     "placement_timeout": dict(type=float, metavar="S",
                               help="seconds to wait for the Ray cluster to place the pipeline's actors, at start and "

@@ -11,10 +11,14 @@ Transports (outputs never depend on the choice):
 - `shm`: stages on one node; each stage writes its activations into a ring of preallocated shared-memory
   slots that the next stage reads (cluster/shm.py); the coordinator only sends batch descriptions. A
   pipeline whose stages Ray placed on more than one node is refused with a one-line error, not run
-  over another transport.
+  over another transport. One more ring carries the last stage's sampled tokens back to the first, so
+  that a lone sequence's decode steps chain through the stages without the coordinator (cluster/chain.py).
+- `auto` (the default): `shm` where every stage of a CPU pipeline is on one node and its rings fit in
+  /dev/shm, else `object_store`. `Pipeline.transport` is the one it chose.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +35,8 @@ from stages.errors import RaymoeError
 from .actors import ExpertActor, StageActor
 from .engine_args import PLACEMENTS, EngineArgs
 from .shm import SHM_DIR
+
+log = logging.getLogger(__name__)
 
 RING_PREFIX = "raymoe-ring-"     # the shm transport's names in /dev/shm (there only while a pipeline connects)
 
@@ -110,6 +116,10 @@ class Pipeline:
         if args.transport == "shm":
             self._check_one_node()
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        self.transport = args.transport
+        if self.transport == "auto":
+            one_node = len({nodes[i] for i in range(args.pp)}) == 1
+            self.transport = "shm" if args.pp > 1 and args.device == "cpu" and one_node else "object_store"
         self.stages_here = [sum(nodes[j] == nodes[i] for j in range(args.pp)) for i in range(args.pp)]
         # decode steps worth computing at once: one per node, since the stages on a node share its memory
         # bandwidth (a decode step reads weights at about its rate): reading them once for more sequences gains
@@ -180,32 +190,54 @@ class Pipeline:
         # up to how many sequences one decode step may carry with the bits each gets alone, on every actor
         self.rows_computed_alone = min(ray.get([a.rows_computed_alone.remote()
                                                 for a in self.stages + [e for ex in self.experts for e in ex]]))
-        if self.args.transport in P2P:
+        if self.transport in P2P:
             address = ray.get(self.stages[0].rendezvous_address.remote())
-            ray.get([a.join_group.remote(address, rank, len(self.stages), self.args.transport)
+            ray.get([a.join_group.remote(address, rank, len(self.stages), self.transport)
                      for rank, a in enumerate(self.stages)])
-        if self.args.transport == "shm":
-            self._connect_rings()
+        if self.transport == "shm":
+            try:
+                self._connect_rings()
+            except Exception as e:      # no /dev/shm, or no room in it: `auto` moves activations through Ray
+                if self.args.transport != "auto" or not isinstance(getattr(e, "cause", e), RaymoeError):
+                    raise
+                log.warning("the shm transport cannot start (%s); activations go through the object store",
+                            str(getattr(e, "cause", e)))
+                ray.get([a.shm_close.remote() for a in self.stages])
+                self.transport = "object_store"
+
+    @property
+    def chains(self) -> bool:
+        """Whether a lone sequence's decode steps can run several to a call (StepBatch.follow): the stage that
+        samples embeds the next token itself, or passes it back to the one that does (cluster/chain.py)."""
+        return len(self.stages) == 1 or self.transport == "shm"
 
     def _connect_rings(self):
-        """A fresh ring per edge (after a restart too): the receiving stage creates it, the sending stage opens
-        and unlinks it (cluster/shm.py), so nothing is left in /dev/shm however the stages end."""
+        """A fresh ring per edge (after a restart too), and one from the last stage back to the first for its
+        sampled tokens: the receiving stage creates it, the sending stage opens and unlinks it (cluster/shm.py),
+        so nothing is left in /dev/shm however the stages end."""
         ray.get([a.shm_close.remote() for a in self.stages])
         prefix = f"{SHM_DIR}/{RING_PREFIX}{uuid.uuid4().hex[:8]}"
-        edges = [(self.stages[i], self.stages[i + 1], f"{prefix}-{i}") for i in range(len(self.stages) - 1)]
+        n = len(self.stages)
+        # (sender, receiver, path, slots of the ring back: 0 for activations); the first stage reads the ring back
+        # at every call, so it holds at most a message per step in flight past it
+        back_slots = (self.args.microbatches or n) + 2
+        edges = [(self.stages[i], self.stages[i + 1], f"{prefix}-{i}", 0) for i in range(n - 1)]
+        edges.append((self.stages[-1], self.stages[0], f"{prefix}-back", back_slots))
         try:
-            sizes = ray.get([b.shm_create.remote(path, self.args.max_batch_tokens) for _, b, path in edges])
-            ray.get([a.shm_attach.remote(path, size) for (a, _, path), size in zip(edges, sizes)])
+            sizes = ray.get([b.shm_create.remote(path, self.args.max_batch_tokens, slots)
+                             for _, b, path, slots in edges])
+            ray.get([a.shm_attach.remote(path, size, slots) for (a, _, path, slots), size in zip(edges, sizes)])
         finally:    # names a failed setup left (a no-op after a good one)
-            refs = [b.shm_unlink.remote(path) for _, b, path in edges]
+            refs = [b.shm_unlink.remote(path) for _, b, path, _ in edges]
             ray.wait(refs, num_returns=len(refs), timeout=30)
+        ray.get([a.shm_chain.remote() for a in self.stages])
 
     def submit(self, batch) -> list:
         """Start one micro-batch; returns the step's ObjectRefs, the last of which holds the logits.
         batch.computing: the micro-batches in flight with it (the stages size their threads by it)."""
-        if self.args.transport in P2P:
+        if self.transport in P2P:
             return [a.forward_p2p.remote(batch) for a in self.stages]
-        if self.args.transport == "shm":
+        if self.transport == "shm":
             return [a.forward_shm.remote(batch) for a in self.stages]
         refs, ref = [], None
         for a in self.stages:
@@ -236,7 +268,7 @@ class Pipeline:
                 time.sleep(1)
 
     def _restart_once(self, deadline: float) -> list[int]:
-        if self.args.transport in P2P:     # survivors may be blocked in recv: replace them all
+        if self.transport in P2P:     # survivors may be blocked in recv: replace them all
             dead = list(range(len(self.stages)))
         else:
             dead = [i for i, a in enumerate(self.stages) if not self._alive([a] + self.experts[i])]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import select
 import struct
 
 import torch
@@ -31,6 +32,7 @@ HEADER = struct.Struct("<8q")   # seq, status, dtype code, ndim, shape[0..2], nb
 HEADER_BYTES = 64               # keeps every slot's data 64-byte aligned
 MAX_DIMS = 3
 OK, FAILED, FAILED_OOM = 0, 1, 2
+END = 3                         # a chain of decode steps ends here (cluster/chain.py)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8]
 
 
@@ -135,6 +137,10 @@ class Ring:
         self.count += 1
         self._signal("next")
 
+    def send_end(self):
+        """Tell the receiver that the steps of this call end here (no tensor follows)."""
+        self.send(torch.empty(0), END)
+
     def send_failure(self, out_of_memory: bool = False):
         """Tell the receiver that this step failed here, so that it fails too instead of waiting; quiet when the
         receiver is gone."""
@@ -143,8 +149,13 @@ class Ring:
         except RingError:
             pass
 
-    def recv(self) -> torch.Tensor:
-        """Wait for the next slot and copy it out (the slot is free again as soon as this returns)."""
+    def ready(self) -> bool:
+        """Whether a message waits (or the sender is gone), so that recv() would not block."""
+        return bool(select.select([self.pipe_in], [], [], 0)[0])
+
+    def recv(self, end_ok: bool = False) -> torch.Tensor | None:
+        """Wait for the next slot and copy it out (the slot is free again as soon as this returns). None for
+        the end of a chain's steps, where end_ok; elsewhere that is out of step."""
         self._wait("previous")
         slot = self.count % self.slots
         seq, status, code, ndim, *rest = HEADER.unpack_from(self.mm, slot * self.stride)
@@ -158,6 +169,10 @@ class Ring:
         self._signal("previous")
         if status == FAILED_OOM:
             raise MemoryError("the previous stage ran out of memory on this step")
+        if status == END:
+            if not end_ok:
+                raise RingError(f"shm ring {os.path.basename(self.path)} out of step: a chain's end where a step was due")
+            return None
         if status != OK:
             raise RingError("the previous stage failed on this step")
         return out

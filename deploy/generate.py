@@ -193,7 +193,7 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     restarts = stats["coordinator_restarts"]
     restarts = f"; the coordinator died and was replaced {restarts} times" if restarts else ""
     print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
-          f"nodes={nodes} transport={args.transport}{prefix_text}{restarts}",
+          f"nodes={nodes} transport={stats['transport']}{prefix_text}{restarts}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

@@ -36,8 +36,8 @@ class StepBatch:
     computing: int = 1
     # what the stages do with their prefix caches around this step (stages/prefix_cache.py decides)
     prefix: PrefixOps | None = None
-    # token_ids unset: each chunk (one token) is the token this stage sampled last for its sequence, planned
-    # before that token was back (a one-stage pipeline; stages/engine.py plan_ahead)
+    # token_ids unset: each chunk (one token) is the token the last stage sampled last for its sequence, planned
+    # before that token was back (a one-stage pipeline, or stages linked by shm rings; stages/engine.py plan_ahead)
     follow: bool = False
     # a follow batch of one sequence: decode steps to run in this one call, each from the token the one before
     # sampled; the results are each step's, in order. It stops after a token of end_ids (its end and stop tokens)

@@ -115,6 +115,9 @@ class Stage:
         self.matchers = Matchers(model.tokenizer, model.config.vocab) if self.last else None
         # a stage that embeds and samples: the token it sampled last per sequence (StepBatch.follow)
         self.sampled: dict[int, int] = {}
+        # one stage of several on a node: its link to the others (cluster/chain.py), which carries a follow
+        # batch's steps from stage to stage and the last stage's tokens back to the first
+        self.link = None
         # on a GPU, decode steps replay as CUDA graphs where they can (stages/decode_graph.py)
         self.graphs = decode_graph.DecodeGraphs(self.layers) if self.device.type == "cuda" and \
             gpu_ops.CUDA_GRAPHS else None
@@ -145,6 +148,8 @@ class Stage:
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
         self.sampled.pop(seq_id, None)
+        if self.link is not None:
+            self.link.forget(seq_id)
         if self.matchers is not None:
             self.matchers.release(seq_id)
 
@@ -163,19 +168,37 @@ class Stage:
     def _follow(self, batch: StepBatch) -> list:
         """batch.steps decode steps of one sequence, each from the token the step before sampled. It stops after
         a token of batch.end_ids or a failed sampling, and runs none when the token it would continue from ended
-        the sequence (the call was sent before the coordinator knew)."""
-        if not (self.first and self.last) or len(batch.seq_ids) != 1:
-            raise ValueError("a follow batch runs one sequence on a stage that embeds and samples")
+        the sequence (the call was sent before the coordinator knew). On a stage of several, every stage runs
+        the steps in turn over self.link (the first stage decides where they stop); the last returns the results."""
+        if len(batch.seq_ids) != 1 or not (self.first and self.last or self.link is not None):
+            raise ValueError("a follow batch runs one sequence, on a stage that embeds and samples or over a link")
         sid, sampling = batch.seq_ids[0], batch.sampling[0]
         results = []
         for i in range(batch.steps):
-            if self.sampled.get(sid) in batch.end_ids:
-                break
             step = replace(batch, start_pos=[batch.start_pos[0] + i], prefix=batch.prefix if i == 0 else None,
                            sampling=[replace(sampling, position=sampling.position + i)])
-            results.append(self._step(step)[0])
-            if isinstance(results[-1], str):
+            if self.first and self.last:
+                if self.sampled.get(sid) in batch.end_ids:
+                    break
+                results.append(self._step(step)[0])
+                if isinstance(results[-1], str):
+                    break
+                continue
+            if self.first:
+                token = self.link.token(sid, step.start_pos[0], batch.end_ids)
+                x = None if token is None else self._step(replace(step, token_ids=[token], follow=False))
+            else:
+                x = self.link.recv(end_ok=True)
+                if x is not None:
+                    x = self._step(step, x)
+            if x is None:       # the sequence ended: so do the later stages' steps
+                if not self.last:
+                    self.link.end()
                 break
+            if self.last:
+                results.append(x[0])
+            else:
+                self.link.send(x)
         return results
 
     def _step(self, batch: StepBatch, hidden: torch.Tensor | None = None):
@@ -209,10 +232,15 @@ class Stage:
         if batch.sampling is None:
             return logits.cpu()
         results = sample_chunks(logits, batch.sampling, self.matchers)
-        if self.first:      # the next step may be planned before these tokens reach the coordinator
+        # the next step may be planned before these tokens reach the coordinator: the stage that embeds it keeps them
+        if self.first:
             for c, result in zip(batch.sampling, results):
                 if c.tip is not None and not isinstance(result, str):
                     self.sampled[c.seq_id] = result[0]
+        elif self.link is not None:
+            self.link.pass_back([(c.seq_id, start + n, None if isinstance(result, str) else result[0])
+                                 for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results)
+                                 if c.tip is not None])
         return results
 
     def _input_ids(self, batch: StepBatch) -> list[int]:

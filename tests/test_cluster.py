@@ -215,9 +215,12 @@ def test_shm_rings_leave_nothing_behind(exact_reference):
     try:
         pids = [s["pid"] for s in engine.stats()["stages"]]
         rings = [ring_mappings(pid) for pid in pids]
-        assert len(rings[0]) == 1 and len(rings[1]) == 2 and len(rings[2]) == 1     # one ring per edge
-        assert rings[0] == rings[1][:1] and rings[2] == rings[1][1:]
-        assert all(r.endswith(" (deleted)") for r in rings[1])
+        edges = [[r for r in held if "-back" not in r] for held in rings]
+        assert len(edges[0]) == 1 and len(edges[1]) == 2 and len(edges[2]) == 1     # one ring per edge
+        assert edges[0] == edges[1][:1] and edges[2] == edges[1][1:]
+        back = [r for r in rings[0] if "-back" in r]            # and one from the last stage to the first
+        assert len(back) == 1 and rings[0] == edges[0] + back and rings[2] == edges[2] + back
+        assert all(r.endswith(" (deleted)") for r in rings[0] + rings[1] + rings[2])
         seq_ids = engine.submit_many(requests(engine.config.vocab))
         results = {}
         while len(results) < len(seq_ids):
@@ -228,12 +231,12 @@ def test_shm_rings_leave_nothing_behind(exact_reference):
         now = [s["pid"] for s in stats["stages"]]
         assert now[0] == pids[0] and now[2] == pids[2] and now[1] != pids[1] and gone(pids[1])
         fresh = [ring_mappings(pid) for pid in now]
-        assert len(fresh[0]) == 1 and len(fresh[2]) == 1 and not set(fresh[0] + fresh[2]) & set(rings[1])
+        assert len(fresh[0]) == 2 and len(fresh[2]) == 2 and not set(fresh[0] + fresh[2]) & set(sum(rings, []))
         assert all(r.endswith(" (deleted)") for r in fresh[0] + fresh[2])
     finally:
         engine.shutdown()
     assert all(gone(pid) for pid in now)       # the last holders of the rings: the kernel frees them
-    paths = [r.removesuffix(" (deleted)") for r in rings[1] + fresh[0] + fresh[2]]
+    paths = [r.removesuffix(" (deleted)") for r in sum(rings, []) + fresh[0] + fresh[2]]
     assert not [p + end for p in paths for end in ("", ".full", ".free") if os.path.exists(p + end)]
 
 

@@ -1,7 +1,7 @@
-"""Steps sent ahead (cluster/coordinator.py _launch_ahead): with one sequence running on a one-stage pipeline, its
-next step goes to the stage before the token it continues from is back, and with --steps-per-call N one call runs N
-decode steps. The outputs are the in-process engine's, bit for bit, whether the sequence ends by its length or by a
-stop string (steps computed for nothing)."""
+"""Steps sent ahead (cluster/coordinator.py _launch_ahead): with one sequence running on a one-stage pipeline (or
+stages linked by shm rings), its next step goes to the stages before the token it continues from is back, and with
+--steps-per-call N one call runs N decode steps. The outputs are the in-process engine's, bit for bit, whether the
+sequence ends by its length or by a stop string (steps computed for nothing)."""
 import math
 from dataclasses import replace
 
@@ -30,9 +30,12 @@ def local_results(model: str, requests: list[dict]) -> list[dict]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("model,steps_per_call", [("tiny-qwen35moe", 1), ("tiny-gptoss", 1), ("tiny-qwen35moe", 3),
-                                                   ("tiny-gptoss", 4)])
-def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call):
+@pytest.mark.parametrize("model,steps_per_call,pp", [("tiny-qwen35moe", 1, 1), ("tiny-gptoss", 1, 1),
+                                                      ("tiny-qwen35moe", 3, 1), ("tiny-gptoss", 4, 1),
+                                                      ("tiny-qwen35moe", 1, 2), ("tiny-gptoss", 4, 3)])
+def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call, pp):
+    """At PP > 1 the default transport links the stages of the one node with shm rings, and the steps chain through
+    them (cluster/chain.py)."""
     greedy = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
     text = local_results(model, [greedy])[0]["text"]
     stop = text[len(text) // 2:len(text) // 2 + 2]      # ends the greedy output early: its step ahead is not used
@@ -47,7 +50,7 @@ def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call):
     expected = local_results(model, requests)
     assert expected[1]["finish_reason"] == "stop" and len(expected[1]["token_ids"]) < 12
 
-    engine = ClusterEngine(EngineArgs(model, pp=1, steps_per_call=steps_per_call))
+    engine = ClusterEngine(EngineArgs(model, pp=pp, steps_per_call=steps_per_call))
     try:
         results = []
         for i, request in enumerate(requests):      # one at a time: the only sequence running
@@ -62,6 +65,7 @@ def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call):
         engine.shutdown()
     for got, want in zip(results, expected):
         assert {k: got[k] for k in KEYS} == {k: want[k] for k in KEYS}
+    assert stats["transport"] == ("shm" if pp > 1 else "object_store")
     # the first three (and the one-token one): one call for the prompt, then calls of up to steps_per_call tokens;
     # the penalised one a call a token
     n = [len(r["token_ids"]) for r in expected]

@@ -70,6 +70,21 @@ def test_a_failed_step_is_passed_on(path):
     assert torch.equal(rx.recv(), torch.ones(4))  # the ring stays in step
 
 
+def test_a_chains_end_is_read_only_where_one_may_come(path):
+    rx = Ring.create(path, 3, 1024)
+    tx = Ring.attach(path, 3, 1024)
+    assert not rx.ready()
+    tx.send_end()
+    tx.send_end()
+    tx.send(torch.ones(4))
+    assert rx.ready()
+    assert rx.recv(end_ok=True) is None
+    with pytest.raises(RingError, match="out of step: a chain's end"):
+        rx.recv()
+    assert torch.equal(rx.recv(end_ok=True), torch.ones(4))
+    assert not rx.ready()
+
+
 def peer(path: str, code: str) -> subprocess.Popen:
     script = textwrap.dedent(f"""
         import os, sys, time, torch

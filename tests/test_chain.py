@@ -1,0 +1,118 @@
+"""Decode steps chained through the stages (cluster/chain.py), without Ray: the stages of one pipeline, each on
+a thread as each would be in its actor, linked by real shm rings. A call of several steps of one sequence gives
+the tokens the one-stage engine gives, every stage stops where the first sees an end token, a call sent after
+that token runs no step, and a stage that fails a step leaves none of the others waiting."""
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from cluster.chain import ChainLink
+from cluster.shm import SHM_DIR, SLOTS, Ring, RingError, unlink
+from stages.engine import LocalEngine
+from stages.loader import open_model
+from stages.sampling import SamplingParams
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture
+def linked():
+    """linked(model, n) -> a LocalEngine whose n stages are linked as a pipeline's over shm, and their links."""
+    made = []
+
+    def link(model: str, n: int):
+        engine = LocalEngine(open_model(model), n_stages=n)
+        links = [ChainLink() for _ in range(n)]
+        prefix = f"{SHM_DIR}/raymoe-test-{uuid.uuid4().hex[:8]}"
+        hidden = engine.config.hidden * 4 * MAX_TOKENS
+        for i in range(n - 1):
+            path = f"{prefix}-{i}"
+            made.append(path)
+            links[i + 1].ring_in = Ring.create(path, SLOTS, hidden)
+            links[i].ring_out = Ring.attach(path, SLOTS, hidden)
+        made.append(f"{prefix}-back")
+        links[0].back = Ring.create(made[-1], 6, 24 * MAX_TOKENS)
+        links[-1].back = Ring.attach(made[-1], 6, 24 * MAX_TOKENS)
+        for stage, one in zip(engine.stages, links):
+            stage.link = one
+        return engine, links
+
+    yield link
+    for path in made:
+        unlink(path)
+
+
+def call(engine, links, batch, timeout=120):
+    """What every stage's actor does with one call, at once; the last stage's result."""
+    with ThreadPoolExecutor(len(links)) as pool:
+        done = [pool.submit(link.forward, batch, stage.forward) for stage, link in zip(engine.stages, links)]
+        return [f.result(timeout=timeout) for f in done][-1]
+
+
+def greedy_tokens(model: str, prompt: list[int], n: int) -> list[int]:
+    engine = LocalEngine(open_model(model))
+    seq = engine.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0))
+    engine.run_until_done()
+    return seq.output_ids
+
+
+@pytest.mark.parametrize("model, n_stages", [("tiny-qwen35moe", 2), ("tiny-gptoss", 3)])
+def test_chained_steps_give_the_engines_tokens_and_stop_at_an_end_token(linked, model, n_stages):
+    tokens = greedy_tokens(model, [5, 6, 7], 10)
+    end = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])    # its first appearance
+    engine, links = linked(model, n_stages)
+    seq = engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0))
+    batch, plan = engine.next_batch(0)
+    first = call(engine, links, batch)       # the prompt, one call; its token goes back to the first stage
+    ahead, ahead_plan = engine.plan_ahead(plan, steps=20)
+    assert ahead.follow and ahead.steps == 9
+    ahead.end_ids = frozenset([tokens[end]])
+    results = call(engine, links, ahead)
+    assert [first[0][0]] + [r[0] for r in results] == tokens[:end + 1]
+    engine.consume(first, plan)
+    engine.consume(results, ahead_plan[:len(results)])
+    assert seq.output_ids == tokens[:end + 1]
+    after = replace(ahead, start_pos=[3 + len(results)], steps=2)     # sent before the end token was known
+    assert call(engine, links, after) == []
+
+    # the rings are still in step: another sequence's prompt and chained steps, after plain steps of its own
+    engine.finish(seq, "stop")
+    for stage in engine.stages:
+        stage.release(seq.seq_id)
+    prompt = [9, 4, 2, 8]
+    want = greedy_tokens(model, prompt, 7)
+    other = engine.add_request("t", prompt, SamplingParams(max_tokens=7, temperature=0))
+    for _ in range(2):
+        batch, plan = engine.next_batch(0)
+        engine.consume(call(engine, links, batch), plan)
+    batch, plan = engine.next_batch(0)
+    results = call(engine, links, batch)
+    ahead, ahead_plan = engine.plan_ahead(plan, steps=8)
+    engine.consume(results, plan)
+    assert ahead.steps == 4
+    engine.consume(call(engine, links, ahead), ahead_plan)
+    assert other.output_ids == want and other.finish_reason == "length"
+
+
+def test_a_stage_that_fails_in_a_chain_leaves_no_stage_waiting(linked):
+    engine, links = linked("tiny-qwen35moe", 3)
+    engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0))
+    batch, plan = engine.next_batch(0)
+    call(engine, links, batch)
+    ahead, _ = engine.plan_ahead(plan, steps=6)
+    last, step, calls = engine.stages[-1], engine.stages[-1]._step, []
+
+    def fails_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected")
+        return step(*args)
+    last._step = fails_third
+    with ThreadPoolExecutor(3) as pool:
+        done = [pool.submit(link.forward, ahead, stage.forward) for stage, link in zip(engine.stages, links)]
+        errors = [f.exception(timeout=60) for f in done]      # each ends (none waits for ever)
+    assert isinstance(errors[2], MemoryError)
+    assert isinstance(errors[0], RingError)        # the first stage waited for the third token: told it failed
+    assert isinstance(errors[1], RingError)        # the middle one waited for the first's fourth step
