@@ -28,6 +28,7 @@ class LocalPipeline:
         self.stage = Stage(model, range(model.n_layers))
         self.spec = SimpleNamespace(pp=1)
         self.rows_computed_alone, self.concurrent_steps = 8, 1     # decode steps of up to 8 sequences merged
+        self.chains, self.transport = True, "object_store"         # one stage: a lone sequence's steps sent ahead
         self.hang, self.fail_for = hang, fail_for
 
     def submit(self, batch):
