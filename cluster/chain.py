@@ -26,7 +26,7 @@ class ChainLink:
     def __init__(self):
         self.ring_in: Ring | None = None      # from the previous stage
         self.ring_out: Ring | None = None     # to the next stage
-        self.back: Ring | None = None         # first stage: the receiving end of the ring from the last; last: the sending end
+        self.back: Ring | None = None         # the ring from the last stage to the first (its end in this stage)
         # called before this stage hands the computation to another (a stage sharing its node's cores frees them)
         self.on_hand_over = None
         self.tokens: dict[int, tuple[int, int | None]] = {}    # first stage: seq_id -> (position, token or None)

@@ -171,7 +171,8 @@ class Ring:
             raise MemoryError("the previous stage ran out of memory on this step")
         if status == END:
             if not end_ok:
-                raise RingError(f"shm ring {os.path.basename(self.path)} out of step: a chain's end where a step was due")
+                raise RingError(f"shm ring {os.path.basename(self.path)} out of step: a chain's end where a step "
+                                "was due")
             return None
         if status != OK:
             raise RingError("the previous stage failed on this step")

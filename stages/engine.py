@@ -131,9 +131,9 @@ class EngineCore:
         the token is back, if the sequence goes on. It continues from the token the last stage samples for `plan`
         (StepBatch.follow), which a one-stage pipeline can run, embedding what it sampled, and stages linked so
         that the last passes it back to the first (Stage.link); with `steps` > 1 it runs that many decode steps in
-        one call (fewer where max_tokens or the context comes first), each one chunk of the plan it returns. None where the next step is not certain to be that one (others wait, the
-        sequence ends by max_tokens or the context with `plan`) or needs the token here first (a penalty's or a
-        grammar's history, a test's script)."""
+        one call (fewer where max_tokens or the context comes first), each one chunk of the plan it returns. None
+        where the next step is not certain to be that one (others wait, the sequence ends by max_tokens or the
+        context with `plan`) or needs the token here first (a penalty's or a grammar's history, a test's script)."""
         if self.waiting or self.running() != 1 or len({c.seq for c in plan}) != 1:
             return None
         seq, params = plan[0].seq, plan[0].seq.params
