@@ -231,6 +231,7 @@ class StageActor:
     def shm_chain(self):
         """Every ring is there: the stage may run chains of decode steps (StepBatch.follow) over them."""
         self.stage.link = self.link
+        self.link.holds = self.stage.caches.__contains__
 
     def forward_shm(self, batch):
         """The stage's call over the shm rings (cluster/chain.py ChainLink.forward); the last stage returns the

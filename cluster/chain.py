@@ -30,6 +30,9 @@ class ChainLink:
         # called before this stage hands the computation to another (a stage sharing its node's cores frees them)
         self.on_hand_over = None
         self.tokens: dict[int, tuple[int, int | None]] = {}    # first stage: seq_id -> (position, token or None)
+        # first stage: whether it still holds a sequence (its caches); a token that comes back after the sequence
+        # was released is not kept
+        self.holds = None
         self.waited_s = 0.0                   # seconds spent waiting on the other stages
 
     def close(self):
@@ -119,7 +122,8 @@ class ChainLink:
 
     def _keep(self, message: torch.Tensor):
         for seq_id, position, token in message.tolist():
-            self.tokens[seq_id] = (position, None if token == FAILED_TOKEN else token)
+            if self.holds is None or self.holds(seq_id):
+                self.tokens[seq_id] = (position, None if token == FAILED_TOKEN else token)
 
     def forget(self, seq_id: int):
         self.tokens.pop(seq_id, None)

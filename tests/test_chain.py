@@ -116,3 +116,18 @@ def test_a_stage_that_fails_in_a_chain_leaves_no_stage_waiting(linked):
     assert isinstance(errors[2], MemoryError)
     assert isinstance(errors[0], RingError)        # the first stage waited for the third token: told it failed
     assert isinstance(errors[1], RingError)        # the middle one waited for the first's fourth step
+
+
+def test_tokens_of_released_sequences_are_not_kept():
+    path = f"{SHM_DIR}/raymoe-test-{uuid.uuid4().hex[:8]}"
+    try:
+        first, last = ChainLink(), ChainLink()
+        first.back = Ring.create(path, 4, 24 * MAX_TOKENS)
+        last.back = Ring.attach(path, 4, 24 * MAX_TOKENS)
+        first.holds = {1, 3}.__contains__       # sequence 2 was released before its last token came back
+        last.pass_back([(1, 9, 42), (2, 5, 7), (3, 4, None)])
+        first.drain()
+        assert first.tokens == {1: (9, 42), 3: (4, None)}
+        assert first.token(1, 9, frozenset()) == 42 and first.token(3, 4, frozenset()) is None
+    finally:
+        unlink(path)
