@@ -316,8 +316,9 @@ def test_a_stage_restart_empties_the_cache_without_changing_outputs(name):
     """Stage 1 is killed during the third turn: the coordinator drops its index, every stage its store (the
     survivor too), the turn recomputes from its tokens, and the fourth turn hits only what was stored since."""
     from cluster.engine_args import EngineArgs
+    # one decode step a call (the stages chain a lone sequence's steps): the 26th step falls in the third turn
     got, load, stats = chat_on_cluster(EngineArgs(name, pp=2, dtype="float32", prefill_chunk=CHUNK,
-                                                  max_batch_tokens=2 * CHUNK, prefix_cache_gb=0.25,
+                                                  max_batch_tokens=2 * CHUNK, prefix_cache_gb=0.25, steps_per_call=1,
                                                   fault_injection={"stage": 1, "after_steps": 26}))
     expected = reference(name, "float32")
     assert stats["restarts"] == 1
