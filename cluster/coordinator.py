@@ -39,6 +39,7 @@ log = logging.getLogger("raymoe.coordinator")
 # A pipeline that fails more than MAX_RESTARTS times within RESTART_WINDOW seconds is given up: it
 # cannot work (a stage that dies on every step). Restarts spread over a long life never add up to that.
 MAX_RESTARTS = 5
+MAX_FAILED_TURN_WAIT_S = 1.0    # the longest the loop waits after a turn that raised (doubling from 2 ms)
 RESTART_WINDOW = 600.0
 OOM_ERROR = ("a stage ran out of memory while running this request; lower --max-running or --max-model-len "
              "(or give the stages more memory)")
@@ -388,13 +389,19 @@ class Coordinator:
             self.fault = {}
 
     async def _run(self):
+        failed = 0      # turns in a row that raised
         while True:
             self.current = None
             try:
                 await self._turn()
+                failed = 0
             except Exception as e:
                 log.exception("the scheduler failed; failing the sequences concerned and going on")
                 self._fail_current(e)
+                failed += 1
+                # a fault that comes back every turn (a bug) must not starve the actor's event loop (a turn that
+                # raises before it awaits never yields) nor flood the log
+                await asyncio.sleep(min(MAX_FAILED_TURN_WAIT_S, 0.001 * 2 ** min(failed, 20)))
 
     async def _turn(self):
         """Free finished sequences' caches, launch what can run, then wait for a micro-batch and consume it."""

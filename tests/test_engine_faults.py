@@ -103,6 +103,26 @@ def test_a_scheduler_failure_fails_its_micro_batch_and_the_loop_goes_on(model, c
         "the scheduler failed; failing the sequences concerned and going on"]
 
 
+def test_a_fault_that_comes_back_every_turn_does_not_spin_the_loop(model, caplog):
+    async def go():
+        coord, turns = coordinator(model), []
+
+        def broken():
+            turns.append(1)
+            if len(turns) > 100:      # a loop that never yields: end it here (the test fails, it does not hang)
+                raise asyncio.CancelledError
+            raise RuntimeError("injected: every turn")
+        coord._launch = broken
+        coord._ensure_loop()
+        await asyncio.sleep(1.5)
+        coord.loop_task.cancel()
+        return len(turns)
+
+    turns = asyncio.run(go())
+    assert 3 <= turns <= 12         # waits of 2, 4, 8, ... ms, then 1 s: not a turn per microsecond
+    assert sum("injected: every turn" in (r.exc_text or "") for r in caplog.records) == turns
+
+
 def test_a_stalled_engine_is_unhealthy(model):
     async def go():
         coord = coordinator(model, hang=True)
