@@ -19,7 +19,7 @@ from collections import deque
 
 import ray
 
-from stages.errors import RaymoeError
+from stages.errors import RaymoeError, unwrap
 from stages.loader import open_model
 from stages.memory import GiB, fit_running, prefix_shares, stage_need
 
@@ -153,14 +153,6 @@ def show_loading(ref, spec: PipelineSpec):
         for bar in bars:
             bar.close()
     return ref
-
-
-def unwrap(error: Exception) -> Exception:
-    """The user-facing error inside a Ray task error, if there is one."""
-    cause = getattr(error, "cause", None)
-    while cause is not None and not isinstance(cause, RaymoeError) and getattr(cause, "cause", None) is not None:
-        cause = cause.cause
-    return cause if isinstance(cause, RaymoeError) else error
 
 
 COORDINATOR_DIED = "the coordinator actor died while its pipeline started (the Ray logs say why)"

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kernels.threads import process_env
 from stages.engine import split_layers
-from stages.errors import RaymoeError
+from stages.errors import RaymoeError, unwrap
 
 from .actors import ExpertActor, StageActor
 from .engine_args import PLACEMENTS, EngineArgs
@@ -198,10 +198,10 @@ class Pipeline:
             try:
                 self._connect_rings()
             except Exception as e:      # no /dev/shm, or no room in it: `auto` moves activations through Ray
-                if self.args.transport != "auto" or not isinstance(getattr(e, "cause", e), RaymoeError):
+                cause = unwrap(e)
+                if self.args.transport != "auto" or not isinstance(cause, RaymoeError):
                     raise
-                log.warning("the shm transport cannot start (%s); activations go through the object store",
-                            str(getattr(e, "cause", e)))
+                log.warning("the shm transport cannot start (%s); activations go through the object store", cause)
                 ray.get([a.shm_close.remote() for a in self.stages])
                 self.transport = "object_store"
 

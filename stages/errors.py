@@ -13,6 +13,14 @@ class RequestError(RaymoeError):
     """A single request that cannot be served (bad prompt, bad sampling values)."""
 
 
+def unwrap(error: Exception) -> Exception:
+    """The user-facing error inside a Ray task error (its `cause`, however deep), if there is one."""
+    cause = getattr(error, "cause", None)
+    while cause is not None and not isinstance(cause, RaymoeError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    return cause if isinstance(cause, RaymoeError) else error
+
+
 def check_json_size(value, name: str, limit: int):
     """RequestError unless the request field `name` holds JSON values of at most `limit` bytes."""
     import json
