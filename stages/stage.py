@@ -177,16 +177,9 @@ class Stage:
         for i in range(batch.steps):
             step = replace(batch, start_pos=[batch.start_pos[0] + i], prefix=batch.prefix if i == 0 else None,
                            sampling=[replace(sampling, position=sampling.position + i)])
-            if self.first and self.last:
-                if self.sampled.get(sid) in batch.end_ids:
-                    break
-                results.append(self._step(step)[0])
-                if isinstance(results[-1], str):
-                    break
-                continue
             if self.first:
-                token = self.link.token(sid, step.start_pos[0], batch.end_ids)
-                x = None if token is None else self._step(replace(step, token_ids=[token], follow=False))
+                token = self._followed_token(sid, step.start_pos[0], batch.end_ids)
+                x = None if token is None else self._step(replace(step, token_ids=[token]))
             else:
                 x = self.link.recv(end_ok=True)
                 if x is not None:
@@ -195,15 +188,26 @@ class Stage:
                 if not self.last:
                     self.link.end()
                 break
-            if self.last:
-                results.append(x[0])
-            else:
+            if not self.last:
                 self.link.send(x)
+                continue
+            results.append(x[0])
+            if self.first and isinstance(x[0], str):    # a failed sampling (several stages: the first ends it)
+                break
         return results
+
+    def _followed_token(self, sid: int, position: int, end_ids) -> int | None:
+        """First stage: the token a follow step of `sid` at `position` embeds; None where the sequence ended
+        before it (a token of end_ids, or a failed sampling)."""
+        if not self.last:
+            return self.link.token(sid, position, end_ids)
+        if sid not in self.sampled:     # the step before it failed here
+            raise RuntimeError(f"no sampled token to continue sequence {sid} from")
+        return None if self.sampled[sid] in end_ids else self.sampled[sid]
 
     def _step(self, batch: StepBatch, hidden: torch.Tensor | None = None):
         if self.first:
-            x = lookup_rows(self.embed, torch.as_tensor(self._input_ids(batch), device=self.device))
+            x = lookup_rows(self.embed, torch.as_tensor(batch.token_ids, device=self.device))
         else:       # a transport that stages through the host hands a CPU tensor to a GPU stage
             x = hidden.to(self.device)
         ops = batch.prefix
@@ -242,11 +246,3 @@ class Stage:
                                  for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results)
                                  if c.tip is not None])
         return results
-
-    def _input_ids(self, batch: StepBatch) -> list[int]:
-        if not batch.follow:
-            return batch.token_ids
-        missing = [sid for sid in batch.seq_ids if sid not in self.sampled]
-        if missing:     # the step before it failed here, or went to other stages
-            raise RuntimeError(f"no sampled token to continue sequence {missing[0]} from")
-        return [self.sampled[sid] for sid in batch.seq_ids]
