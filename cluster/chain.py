@@ -1,5 +1,5 @@
 """A stage's link to the other stages of its node over the shm transport's rings, and decode steps chained
-through them: a call of several decode steps of one sequence (StepBatch.follow) runs through every stage
+through them: a call of several decode steps of its sequences (StepBatch.follow) runs through every stage
 without going back to the coordinator between steps, as a one-stage pipeline does (docs/ray-step.md).
 
 - Activations go forward one message per step, or an end mark where the first stage stops the call early
@@ -107,17 +107,23 @@ class ChainLink:
         while self.back.ready():
             self._keep(self.back.recv())
 
-    def token(self, seq_id: int, position: int, end_ids) -> int | None:
-        """First stage: the token the last stage sampled for seq_id to input at `position`, waiting for it if it
-        is not back yet; None where the sequence ended before (a token of end_ids, or its sampling failed)."""
+    def next_tokens(self, seq_ids: list[int], positions: list[int], end_ids: list[frozenset]) -> list[int] | None:
+        """First stage: the tokens the last stage sampled for these sequences to input at these positions, waiting
+        for those not back yet; None where a sequence ended before (a token of its end_ids, or a failed sampling).
+        An ended sequence is looked for in what is back before waiting: a call sent before the end was known asks
+        the others for positions that will never come."""
         while True:
-            pos, token = self.tokens.get(seq_id, (None, None))
-            if pos is not None and pos > position:
-                raise RuntimeError(f"sequence {seq_id}: a token for position {pos} came back where {position} was due")
-            if pos is not None and (token is None or token in end_ids):
-                return None
-            if pos == position:
-                return token
+            tokens = []
+            for seq_id, position, ends in zip(seq_ids, positions, end_ids):
+                pos, token = self.tokens.get(seq_id, (None, None))
+                if pos is not None and pos > position:
+                    raise RuntimeError(f"sequence {seq_id}: a token for position {pos} came back where {position} "
+                                       f"was due")
+                if pos is not None and (token is None or token in ends):
+                    return None
+                tokens.append(token if pos == position else None)
+            if None not in tokens:
+                return tokens
             self._keep(self._wait(self.back.recv))
 
     def _keep(self, message: torch.Tensor):

@@ -81,12 +81,12 @@ class Coordinator:
         self.spec = spec
         self.pipeline = None
         # group -> (refs, plan, batch, part): refs None while held (_submit_held); part: its rows of a merged step's
-        # results (None: all of them)
+        # results, a slice, or of a follow call's, a list of indices (None: all of them)
         self.in_flight: dict[int, tuple] = {}
-        # (group, refs, plan, batch): the step after its group's one in flight, sent before that one's token is
-        # back (a pipeline that chains steps; _launch_ahead)
-        self.ahead: tuple | None = None
-        self.ahead_steps = self.ahead_dropped = 0      # steps sent ahead, and of those the ones not used
+        # group -> (refs, plan, batch, part): the step after the one in flight, sent before its tokens are back (a
+        # pipeline that chains steps; _launch_ahead), each group's share of it
+        self.ahead: dict[int, tuple] = {}
+        self.ahead_steps = self.ahead_dropped = 0      # sequences' steps sent ahead, and of those the ones not used
         self.merged_steps = 0                           # steps that carried several groups' decode steps
         self.to_release: list[int] = []                 # finished sequences whose stage caches are still held
         self.next_group = 0
@@ -286,7 +286,7 @@ class Coordinator:
         for g, batch, plan in planned_now:
             self.in_flight[g] = (None, plan, batch, None)
         self._submit_held()
-        if self.pipeline.chains and self.ahead is None and len(self.in_flight) == 1:
+        if self.pipeline.chains and not self.ahead and self.in_flight:
             self._launch_ahead()
 
     def _submit_held(self):
@@ -298,8 +298,9 @@ class Coordinator:
         held = [(g, plan, batch) for g, (refs, plan, batch, _) in self.in_flight.items() if refs is None]
         if not held:
             return
-        # steps computing: those sent (a merged step's groups share its refs), and the one sent ahead
-        sent = len({id(f[0]) for f in self.in_flight.values() if f[0] is not None}) + (self.ahead is not None)
+        # steps computing: those sent, and the one sent ahead (the groups of a merged step or a follow call share its
+        # refs)
+        sent = len({id(f[0]) for f in [*self.in_flight.values(), *self.ahead.values()] if f[0] is not None})
         limit = self.pipeline.rows_computed_alone
         if limit > 1:
             free = self.pipeline.concurrent_steps - sent
@@ -341,32 +342,39 @@ class Coordinator:
         self._maybe_inject_fault()
 
     def _launch_ahead(self):
-        """One batch in flight on a pipeline that chains steps (Pipeline.chains: one stage, or stages linked by shm
-        rings): when it is one sequence's step, send its next step now
-        (stages/engine.py plan_ahead), so that the stage starts it as soon as this one ends instead of waiting
-        for the coordinator to consume the result and plan again, as vLLM's asynchronous scheduling does. It is
-        the step the coordinator would send next, so the outputs are the same. With steps_per_call > 1 it runs that
-        many steps (StepBatch.steps). When the sequence ends with an end token the stage computes no step past it;
-        after a stop string or a cancel, which only the coordinator sees, it computes up to steps_per_call for
-        nothing."""
-        g, (_, plan, _, _) = next(iter(self.in_flight.items()))
-        self.current = (g, plan)
-        planned = self.core.plan_ahead(plan, self.spec.args.steps_per_call)
+        """One step in flight on a pipeline that chains steps (Pipeline.chains: one stage, or stages linked by shm
+        rings), the decode step of every running sequence: send the next step now (stages/engine.py plan_ahead), so
+        that the stages start it as soon as this one ends instead of waiting for the coordinator to consume the
+        result and plan again, as vLLM's asynchronous scheduling does. It is the step the coordinator would send
+        next, so the outputs are the same. With steps_per_call > 1 it runs that many steps (StepBatch.steps). When
+        a sequence ends with an end token the stages compute no step past it; after a stop string or a cancel,
+        which only the coordinator sees, they compute up to steps_per_call for nothing. Not while the step in
+        flight holds a sequence that has ended: it may stop early, so the next one's positions are not known."""
+        flights = list(self.in_flight.values())
+        refs = flights[0][0]
+        if refs is None or any(r is not refs or any(sid not in self.core.sequences for sid in batch.seq_ids)
+                               for r, _, batch, _ in flights):
+            return
+        plan = [c for _, chunks, _, _ in flights for c in chunks]
+        self.current = (None, plan)
+        # several sequences only where each row computes as it would alone (a merged step's rule, _submit_held)
+        planned = self.core.plan_ahead(plan, self.spec.args.steps_per_call, max(1, self.pipeline.rows_computed_alone))
         if planned is not None:
             batch, ahead = planned
-            self.ahead = (g, self.pipeline.submit(batch), ahead, batch)
+            refs = self.pipeline.submit(batch)
+            for g, (chunks, indices) in self.core.ahead_parts(batch, ahead).items():
+                self.ahead[g] = (refs, chunks, batch, indices)
             self.ahead_steps += len(ahead)
 
     def _take_ahead(self, group: int):
-        """After a batch of `group` was consumed: the step sent ahead of it is now the one in flight, if its
-        sequence goes on."""
-        if self.ahead is None or self.ahead[0] != group:
+        """After a step of `group` was consumed: its share of the step sent ahead is now its step in flight, if a
+        sequence of it goes on."""
+        if group not in self.ahead:
             return
-        _, refs, plan, batch = self.ahead
-        self.ahead = None
-        if plan[0].seq.seq_id in self.core.sequences:
-            self.in_flight[group] = (refs, plan, batch, None)
-        else:       # it ended (or was cancelled) with the token before: its caches are released after this step
+        refs, plan, batch, part = self.ahead.pop(group)
+        if any(self.core.sequences.get(c.seq.seq_id) is c.seq for c in plan):
+            self.in_flight[group] = (refs, plan, batch, part)
+        else:       # they ended (or were cancelled) with the tokens before: their caches are released after this step
             self.core.drop_ahead(plan)
             self.ahead_dropped += len(plan)
 
@@ -416,11 +424,13 @@ class Coordinator:
             return
         # the oldest micro-batch sent first: results are consumed in the order batches were planned, whatever the
         # pipeline depth (a stage runs its calls in order, so nothing is lost by waiting for it)
-        g, (refs, plan, _, part) = next((g, f) for g, f in self.in_flight.items() if f[0] is not None)
+        g, (refs, plan, batch, part) = next((g, f) for g, f in self.in_flight.items() if f[0] is not None)
         try:
             results = await self._gather(refs)
-            if part is not None:
+            if isinstance(part, slice):
                 results = results[part]
+            elif part is not None:      # a follow call that stopped early returns fewer
+                results = [results[i] for i in part if i < len(results)]
         except ray.exceptions.RayError as e:
             oom = out_of_memory(e)
             log.warning("micro-batch failed (%s%s); restarting the pipeline", type(e).__name__,
@@ -436,25 +446,32 @@ class Coordinator:
         self.current = (g, plan)
         self.steps += 1
         self.progress_at = time.monotonic()
-        self._consume(results, plan)
+        self._consume(results, plan, batch.follow)
         self._take_ahead(g)
         self.current = None
 
     def _fail_current(self, e: Exception):
-        """Fail the sequences of the micro-batch the loop was handling when `e` was raised: its plan,
-        else every sequence of its group, else (no group at hand) every live sequence."""
+        """Fail the sequences of the micro-batch the loop was handling when `e` was raised: its plan (the step
+        planned ahead of every running sequence's: that plan), else every sequence of its group, else (nothing at
+        hand) every live sequence. So do those of its group's share of the step sent ahead, which the stages
+        compute anyway: none of them could go on from where the coordinator knows it."""
         group, plan = self.current or (None, None)
         self.current = None
-        if self.ahead is not None:      # the step after the failed one's: of the same sequence, failed with it
-            self.core.drop_ahead(self.ahead[2])
-            self.ahead = None
-        if group is None:
+        if group is None and plan is None:
             self.in_flight.clear()
             victims = list(self.core.sequences.values())
+        elif group is None:
+            victims = [c.seq for c in plan]
+            for seq in victims:
+                self.in_flight.pop(seq.group, None)
         else:
             self.in_flight.pop(group, None)
             victims = [c.seq for c in plan] if plan else [
                 s for s in self.core.sequences.values() if s.group == group]
+        for g in [g for g in self.ahead if group is None or g == group]:
+            _, chunks, _, _ = self.ahead.pop(g)
+            self.core.drop_ahead(chunks)
+            victims += [c.seq for c in chunks]
         for seq in victims:
             if seq.seq_id in self.core.sequences:
                 seq.error = f"internal error: {type(e).__name__}: {e}"
@@ -466,10 +483,11 @@ class Coordinator:
         results = await asyncio.gather(*refs)
         return results[-1]
 
-    def _consume(self, results, plan):
-        seqs = list(dict.fromkeys(c.seq for c in plan))     # a several-step call's chunks are one sequence's
-        before = {seq.seq_id: len(seq.output_ids) for seq in seqs}
-        finished = self.core.consume(results, plan)
+    def _consume(self, results, plan, follow: bool = False):
+        # a several-step call's chunks are its sequences' in turn; those of a sequence that had ended are not used
+        seqs = [seq for seq in dict.fromkeys(c.seq for c in plan) if self.core.sequences.get(seq.seq_id) is seq]
+        before = {c.seq.seq_id: len(c.seq.output_ids) for c in plan}
+        finished = self.core.consume(results, plan, follow)
         now = time.perf_counter()
         for seq in seqs:
             new = seq.output_ids[before[seq.seq_id]:]
@@ -502,7 +520,7 @@ class Coordinator:
         every live sequence recompute its caches from its tokens. The restart empties every stage's prefix
         store, and forget_caches the index of it."""
         self.in_flight.clear()      # stale steps still queued on live stages run before their reset
-        self.ahead = None
+        self.ahead.clear()
         self.restarts += 1
         now = time.monotonic()
         self.recent_restarts.append(now)

@@ -40,7 +40,7 @@ class EngineArgs:
     max_batch_tokens: int = 512              # tokens per micro-batch
     prefill_chunk: int = 256                 # a long prompt's tokens per step
     itl_target_ms: float | None = None       # while sequences decode, prompt chunks shrink to keep tokens this close
-    steps_per_call: int = 4                  # decode steps one call runs for a lone sequence (pp 1, or shm)
+    steps_per_call: int = 4                  # decode steps a call sent ahead runs (pp 1, or shm)
     max_running: int | None = None           # sequences holding caches (None: as many as fit, at most 64)
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN   # context bound that sizes each cache (None: the model's)
     max_queued: int | None = None            # sequences waiting for a slot before QueueFullError (None, < 0: no bound)
@@ -199,10 +199,10 @@ FLAGS = {
                                "to what keeps it within MS milliseconds (measured step costs; shorter inter-token "
                                "latency for a longer time to first token; default: no bound)"),
     "steps_per_call": dict(type=int, metavar="N",
-                           help="with one sequence running (at --pp 1, or over the shm transport), each call runs "
-                                "up to N decode steps and returns their tokens together: fewer calls through Ray a "
-                                "token, tokens "
-                                "streamed N at a time (default %(default)s; the outputs are the same at any N)"),
+                           help="while only running sequences decode (at --pp 1, or over the shm transport), each "
+                                "call runs up to N decode steps of them and returns their tokens together: fewer "
+                                "calls through Ray a token, tokens streamed N at a time (default %(default)s; the "
+                                "outputs are the same at any N)"),
     "placement_timeout": dict(type=float, metavar="S",
                               help="seconds to wait for the Ray cluster to place the pipeline's actors, at start and "
                                    "again after a node is lost; then it fails, saying so (default %(default)g)"),

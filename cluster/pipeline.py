@@ -12,7 +12,7 @@ Transports (outputs never depend on the choice):
   slots that the next stage reads (cluster/shm.py); the coordinator only sends batch descriptions. A
   pipeline whose stages Ray placed on more than one node is refused with a one-line error, not run
   over another transport. One more ring carries the last stage's sampled tokens back to the first, so
-  that a lone sequence's decode steps chain through the stages without the coordinator (cluster/chain.py).
+  that decode steps chain through the stages without the coordinator (cluster/chain.py).
 - `auto` (the default): `shm` where every stage of a CPU pipeline is on one node and its rings fit in
   /dev/shm, else `object_store`. `Pipeline.transport` is the one it chose.
 """
@@ -207,7 +207,7 @@ class Pipeline:
 
     @property
     def chains(self) -> bool:
-        """Whether a lone sequence's decode steps can run several to a call (StepBatch.follow): the stage that
+        """Whether decode steps can run several to a call (StepBatch.follow): the stage that
         samples embeds the next token itself, or passes it back to the one that does (cluster/chain.py)."""
         return len(self.stages) == 1 or self.transport == "shm"
 

@@ -39,10 +39,11 @@ class StepBatch:
     # token_ids unset: each chunk (one token) is the token the last stage sampled last for its sequence, planned
     # before that token was back (a one-stage pipeline, or stages linked by shm rings; stages/engine.py plan_ahead)
     follow: bool = False
-    # a follow batch of one sequence: decode steps to run in this one call, each from the token the one before
-    # sampled; the results are each step's, in order. It stops after a token of end_ids (its end and stop tokens)
+    # a follow batch: decode steps to run in this one call, each row from the token its row sampled the step
+    # before; the results are each step's rows, step after step. It stops after a step where a row sampled a token
+    # of its end_ids (per row: its sequence's end and stop tokens)
     steps: int = 1
-    end_ids: frozenset = frozenset()
+    end_ids: list[frozenset] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:

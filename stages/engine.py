@@ -125,51 +125,77 @@ class EngineCore:
                 self.prefix.plan(batch, plan)
         return planned
 
-    def plan_ahead(self, plan: list[PlannedChunk], steps: int = 1) -> tuple[StepBatch, list[PlannedChunk]] | None:
-        """The step after `plan`, planned while `plan` computes, for the pipeline that would otherwise wait idle
-        for its result: one sequence runs and none waits, so that this is the batch next_batch would plan once
-        the token is back, if the sequence goes on. It continues from the token the last stage samples for `plan`
-        (StepBatch.follow), which a one-stage pipeline can run, embedding what it sampled, and stages linked so
-        that the last passes it back to the first (Stage.link); with `steps` > 1 it runs that many decode steps in
-        one call (fewer where max_tokens or the context comes first), each one chunk of the plan it returns. None
-        where the next step is not certain to be that one (others wait, the sequence ends by max_tokens or the
-        context with `plan`) or needs the token here first (a penalty's or a grammar's history, a test's script)."""
-        if self.waiting or self.running() != 1 or len({c.seq for c in plan}) != 1:
+    def plan_ahead(self, plan: list[PlannedChunk], steps: int = 1,
+                   max_rows: int = 1) -> tuple[StepBatch, list[PlannedChunk]] | None:
+        """The step after `plan` (the chunks in flight), planned while `plan` computes, for the pipeline that would
+        otherwise wait idle for its result: every running sequence is in `plan`, decoding, and none can be let in,
+        so that this is the batch that would be planned once the tokens are back, for the sequences that go on. Each
+        row continues from the token the last stage samples for its sequence (StepBatch.follow), which a one-stage
+        pipeline can run, embedding what it sampled, and stages linked so that the last passes it back to the first
+        (Stage.link); with `steps` > 1 it runs that many decode steps in one call (fewer where a sequence's
+        max_tokens or context comes first), the returned plan's chunks step after step, in the batch's row order.
+        At most `max_rows` sequences (rows that each compute as they would alone, so the bits do not depend on the
+        batch). None where the next step is not certain to be that one (one may be let in, a sequence ends by
+        max_tokens or the context with `plan`) or needs a token here first (a penalty's or a grammar's history, a
+        test's script)."""
+        seqs = list(dict.fromkeys(c.seq for c in plan))
+        if (self.waiting and self.running() < self.max_running) or self.running() != len(seqs) \
+                or len(seqs) > max_rows:
             return None
-        seq, params = plan[0].seq, plan[0].seq.params
-        pending = len(plan)       # tokens `plan` samples (several: a plan of this method's)
-        start = seq.n_tokens + pending - 1      # where the last of them goes
-        steps = min(steps, params.max_tokens - len(seq.output_ids) - pending, seq.context_length - start - 1)
-        last = plan[-1]
-        if (steps < 1 or last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
-                or seq.script is not None or params.needs_history):
+        rows = []       # (seq, tokens it has in flight, where the last of them goes)
+        for seq in seqs:
+            params, pending = seq.params, sum(1 for c in plan if c.seq is seq)
+            start = seq.n_tokens + pending - 1
+            last = max((c for c in plan if c.seq is seq), key=lambda c: c.start)
+            if (last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
+                    or seq.script is not None or params.needs_history):
+                return None
+            steps = min(steps, params.max_tokens - len(seq.output_ids) - pending, seq.context_length - start - 1)
+            rows.append((seq, pending, start))
+        if steps < 1:
             return None
-        sampling = ChunkSampling(params=params, seed=seq.seed, position=len(seq.output_ids) + pending, tip=0,
-                                 seq_id=seq.seq_id)
-        batch = StepBatch(seq_ids=[seq.seq_id], start_pos=[start], lengths=[1], logit_rows=[0], sampling=[sampling],
-                          follow=True, steps=steps, end_ids=seq.end_ids)
-        ahead = [PlannedChunk(seq, start + i, 1) for i in range(steps)]
-        if self.prefill_budget is not None and steps == 1:    # it measures one step's cost
-            self.prefill_budget.planned(ahead, 0)
+        sampling = [ChunkSampling(params=seq.params, seed=seq.seed, position=len(seq.output_ids) + pending,
+                                  first=r, tip=r, seq_id=seq.seq_id) for r, (seq, pending, _) in enumerate(rows)]
+        batch = StepBatch(seq_ids=[seq.seq_id for seq in seqs], start_pos=[start for _, _, start in rows],
+                          lengths=[1] * len(rows), logit_rows=list(range(len(rows))), sampling=sampling,
+                          follow=True, steps=steps, end_ids=[seq.end_ids for seq in seqs])
+        ahead = [PlannedChunk(seq, start + i, 1) for i in range(steps) for seq, _, start in rows]
         if self.prefix is not None:
             self.prefix.plan(batch, ahead)
         return batch, ahead
+
+    def ahead_parts(self, batch: StepBatch, ahead: list[PlannedChunk]) -> dict[int, tuple[list[PlannedChunk], list[int]]]:
+        """A plan of plan_ahead by micro-batch group: {group: (its chunks, their indices in the call's results)},
+        each consumed as that group's step."""
+        parts: dict[int, tuple[list, list]] = {}
+        for i, c in enumerate(ahead):
+            chunks, indices = parts.setdefault(c.seq.group, ([], []))
+            chunks.append(c)
+            indices.append(i)
+        if self.prefill_budget is not None and batch.steps == 1:    # it measures one step's cost
+            for chunks, _ in parts.values():
+                self.prefill_budget.planned(chunks, 0)
+        return parts
 
     def drop_ahead(self, ahead: list[PlannedChunk]):
         """A step planned ahead whose sequence ended before it (its result is not used)."""
         if self.prefill_budget is not None:
             self.prefill_budget.forget(ahead)
 
-    def consume(self, results: list[tuple], plan) -> list[Sequence]:
+    def consume(self, results: list[tuple], plan, follow: bool = False) -> list[Sequence]:
         """Apply what the last stage sampled for one batch (per chunk: token, its logprobs, prompt logprobs);
         returns the finished sequences (their caches in the stages are the caller's to release). A sequence
-        whose update raised is among them, with its error set."""
+        whose update raised is among them, with its error set. `follow`: the plan of a follow batch (plan_ahead),
+        whose call stops after a step where a row's sequence ended: its chunks past the results were not computed,
+        and those of a sequence that had already ended (a stop string, a cancel) are not used."""
         if self.prefill_budget is not None:
             self.prefill_budget.done(plan)
         finished = []
         for i, c in enumerate(plan):
             seq = c.seq
             if seq in finished:     # it ended at an earlier step of a several-step call (plan_ahead)
+                continue
+            if follow and (i >= len(results) or self.sequences.get(seq.seq_id) is not seq):
                 continue
             result = results[i] if i < len(results) else "the stage returned no result for this step"
             try:

@@ -166,44 +166,48 @@ class Stage:
         return self._step(batch, hidden)
 
     def _follow(self, batch: StepBatch) -> list:
-        """batch.steps decode steps of one sequence, each from the token the step before sampled. It stops after
-        a token of batch.end_ids or a failed sampling, and runs none when the token it would continue from ended
-        the sequence (the call was sent before the coordinator knew). On a stage of several, every stage runs
-        the steps in turn over self.link (the first stage decides where they stop); the last returns the results."""
-        if len(batch.seq_ids) != 1 or not (self.first and self.last or self.link is not None):
-            raise ValueError("a follow batch runs one sequence, on a stage that embeds and samples or over a link")
-        sid, sampling = batch.seq_ids[0], batch.sampling[0]
+        """batch.steps decode steps of its sequences, each row from the token its row sampled the step before. It
+        stops after a step where a row sampled a token of its end_ids or failed its sampling, and runs none when a
+        token it would continue from ended its sequence (the call was sent before the coordinator knew). On a stage
+        of several, every stage runs the steps in turn over self.link (the first stage decides where they stop);
+        the last returns the results, each step's rows in turn."""
+        if not (self.first and self.last or self.link is not None):
+            raise ValueError("a follow batch runs on a stage that embeds and samples, or over a link")
         results = []
         for i in range(batch.steps):
-            step = replace(batch, start_pos=[batch.start_pos[0] + i], prefix=batch.prefix if i == 0 else None,
-                           sampling=[replace(sampling, position=sampling.position + i)])
+            step = replace(batch, start_pos=[p + i for p in batch.start_pos], prefix=batch.prefix if i == 0 else None,
+                           sampling=[replace(c, position=c.position + i) for c in batch.sampling])
             if self.first:
-                token = self._followed_token(sid, step.start_pos[0], batch.end_ids)
-                x = None if token is None else self._step(replace(step, token_ids=[token]))
+                tokens = self._followed_tokens(step)
+                x = None if tokens is None else self._step(replace(step, token_ids=tokens))
             else:
                 x = self.link.recv(end_ok=True)
                 if x is not None:
                     x = self._step(step, x)
-            if x is None:       # the sequence ended: so do the later stages' steps
+            if x is None:       # a sequence ended: so do the later stages' steps
                 if not self.last:
                     self.link.end()
                 break
             if not self.last:
                 self.link.send(x)
                 continue
-            results.append(x[0])
-            if self.first and isinstance(x[0], str):    # a failed sampling (several stages: the first ends it)
-                break
+            results += x
         return results
 
-    def _followed_token(self, sid: int, position: int, end_ids) -> int | None:
-        """First stage: the token a follow step of `sid` at `position` embeds; None where the sequence ended
-        before it (a token of end_ids, or a failed sampling)."""
+    def _followed_tokens(self, step: StepBatch) -> list[int] | None:
+        """First stage: the tokens a follow step embeds, a row's from the token its sequence sampled last; None
+        where a sequence ended before it (a token of its end_ids, or a failed sampling)."""
         if not self.last:
-            return self.link.token(sid, position, end_ids)
-        if sid not in self.sampled:     # the step before it failed here
-            raise RuntimeError(f"no sampled token to continue sequence {sid} from")
-        return None if self.sampled[sid] in end_ids else self.sampled[sid]
+            return self.link.next_tokens(step.seq_ids, step.start_pos, step.end_ids)
+        tokens = []
+        for sid, ends in zip(step.seq_ids, step.end_ids):
+            if sid not in self.sampled:
+                raise RuntimeError(f"no sampled token to continue sequence {sid} from")
+            token = self.sampled[sid]
+            if token is None or token in ends:
+                return None
+            tokens.append(token)
+        return tokens
 
     def _step(self, batch: StepBatch, hidden: torch.Tensor | None = None):
         if self.first:
@@ -237,10 +241,10 @@ class Stage:
             return logits.cpu()
         results = sample_chunks(logits, batch.sampling, self.matchers)
         # the next step may be planned before these tokens reach the coordinator: the stage that embeds it keeps them
-        if self.first:
+        if self.first:      # None for a failed sampling: a follow step stops there
             for c, result in zip(batch.sampling, results):
-                if c.tip is not None and not isinstance(result, str):
-                    self.sampled[c.seq_id] = result[0]
+                if c.tip is not None:
+                    self.sampled[c.seq_id] = None if isinstance(result, str) else result[0]
         elif self.link is not None:
             self.link.pass_back([(c.seq_id, start + n, None if isinstance(result, str) else result[0])
                                  for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results)

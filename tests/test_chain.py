@@ -1,7 +1,7 @@
 """Decode steps chained through the stages (cluster/chain.py), without Ray: the stages of one pipeline, each on
-a thread as each would be in its actor, linked by real shm rings. A call of several steps of one sequence gives
-the tokens the one-stage engine gives, every stage stops where the first sees an end token, a call sent after
-that token runs no step, and a stage that fails a step leaves none of the others waiting."""
+a thread as each would be in its actor, linked by real shm rings. A call of several steps of its sequences gives
+the tokens the one-stage engine gives each alone, every stage stops where the first sees an end token, a call sent
+after that token runs no step, and a stage that fails a step leaves none of the others waiting."""
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -68,7 +68,7 @@ def test_chained_steps_give_the_engines_tokens_and_stop_at_an_end_token(linked, 
     first = call(engine, links, batch)       # the prompt, one call; its token goes back to the first stage
     ahead, ahead_plan = engine.plan_ahead(plan, steps=20)
     assert ahead.follow and ahead.steps == 9
-    ahead.end_ids = frozenset([tokens[end]])
+    ahead.end_ids = [frozenset([tokens[end]])]
     results = call(engine, links, ahead)
     assert [first[0][0]] + [r[0] for r in results] == tokens[:end + 1]
     engine.consume(first, plan)
@@ -94,6 +94,50 @@ def test_chained_steps_give_the_engines_tokens_and_stop_at_an_end_token(linked, 
     assert ahead.steps == 4
     engine.consume(call(engine, links, ahead), ahead_plan)
     assert other.output_ids == want and other.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_a_chain_of_several_sequences_stops_where_one_ends(linked, n_stages):
+    """Three sequences in one follow call: each row gets its tokens alone; the call stops after the step where one
+    samples an end token, the others' later steps not computed, and the call sent before that was known runs no
+    step (it asks for positions the others never reach)."""
+    model = "tiny-gptoss"
+    prompts = [[5, 6, 7], [9, 4, 2, 8], [3, 1]]
+    wants = [greedy_tokens(model, p, 10) for p in prompts]
+    end = next(i for i in range(3, 9) if wants[1][i] not in wants[1][:i])     # the middle one ends here
+    if n_stages == 1:
+        engine = LocalEngine(open_model(model))
+
+        def run(batch):
+            return engine.stages[0].forward(batch)
+    else:
+        engine, links = linked(model, n_stages)
+
+        def run(batch):
+            return call(engine, links, batch)
+    seqs = [engine.add_request(i, p, SamplingParams(max_tokens=10, temperature=0,
+                                                    stop_token_ids=[wants[1][end]] if i == 1 else []))
+            for i, p in enumerate(prompts)]
+    batch, plan = engine.next_batch(0)          # the three prompts in one step
+    first = run(batch)
+    assert engine.plan_ahead(plan, steps=20, max_rows=2) is None      # more rows than computed alone
+    ahead, ahead_plan = engine.plan_ahead(plan, steps=20, max_rows=8)
+    assert ahead.seq_ids == [s.seq_id for s in seqs] and ahead.steps == 9
+    assert ahead.end_ids[1] >= {wants[1][end]}
+    results = run(ahead)
+    assert len(results) == 3 * end           # steps 1..end, three rows each
+    engine.consume(first, plan)
+    finished = engine.consume(results, ahead_plan, follow=True)
+    assert finished == [seqs[1]]
+    assert [s.output_ids for s in seqs] == [w[:end + 1] for w in wants]
+    after = replace(ahead, start_pos=[p + 9 for p in ahead.start_pos], steps=3)   # sent before the end was known
+    assert run(after) == []
+    for stage in engine.stages:         # the two others go on in plain steps (and the rings are still in step)
+        stage.release(seqs[1].seq_id)
+    while engine.has_work():
+        batch, plan = engine.next_batch(0)
+        engine.consume(run(batch), plan)
+    assert [seqs[0].output_ids, seqs[2].output_ids] == [wants[0], wants[2]]
 
 
 def test_a_stage_that_fails_in_a_chain_leaves_no_stage_waiting(linked):
@@ -128,6 +172,7 @@ def test_tokens_of_released_sequences_are_not_kept():
         last.pass_back([(1, 9, 42), (2, 5, 7), (3, 4, None)])
         first.drain()
         assert first.tokens == {1: (9, 42), 3: (4, None)}
-        assert first.token(1, 9, frozenset()) == 42 and first.token(3, 4, frozenset()) is None
+        assert first.next_tokens([1], [9], [frozenset()]) == [42]
+        assert first.next_tokens([1, 3], [9, 4], [frozenset()] * 2) is None      # 3's sampling failed
     finally:
         unlink(path)

@@ -1,7 +1,7 @@
-"""Steps sent ahead (cluster/coordinator.py _launch_ahead): with one sequence running on a one-stage pipeline (or
-stages linked by shm rings), its next step goes to the stages before the token it continues from is back, and with
---steps-per-call N one call runs N decode steps. The outputs are the in-process engine's, bit for bit, whether the
-sequence ends by its length or by a stop string (steps computed for nothing)."""
+"""Steps sent ahead (cluster/coordinator.py _launch_ahead): with the running sequences decoding on a one-stage
+pipeline (or stages linked by shm rings), their next step goes to the stages before the tokens it continues from
+are back, and with --steps-per-call N one call runs N decode steps. The outputs are the in-process engine's, bit for
+bit, whether a sequence ends by its length, a stop token or a stop string (steps computed for nothing)."""
 import math
 from dataclasses import replace
 
@@ -77,20 +77,69 @@ def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call, pp):
     assert stats["ahead_dropped"] >= 1
 
 
-def test_only_a_lone_sequence_is_planned_ahead():
+@pytest.mark.cluster
+@pytest.mark.parametrize("model,pp", [("tiny-qwen35moe", 1), ("tiny-gptoss", 2)])
+def test_several_sequences_sent_ahead_give_the_same_outputs(model, pp):
+    """Several sequences at once: their decode steps go ahead together as one call of several rows (4 steps a
+    call, the default), stopped early where one ends by a stop token, with rows of sequences a stop string ended
+    computed for nothing; each sequence's outputs are its own alone, bit for bit."""
+    greedy = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    alone = local_results(model, [greedy])[0]
+    stop = alone["text"][len(alone["text"]) // 2:len(alone["text"]) // 2 + 2]
+    tokens = alone["token_ids"]
+    stop_token = next(tokens[i] for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
+    requests = [
+        greedy,
+        {**greedy, "stop_token_ids": [stop_token]},       # its stop token comes mid-call
+        {**greedy, "stop": [stop]},
+        {"prompt": "The little dog", "max_tokens": 17, "temperature": 0.9, "top_p": 0.9, "seed": 7, "logprobs": 2},
+    ]
+    expected = local_results(model, requests)
+    assert expected[1]["finish_reason"] == "stop" and expected[2]["finish_reason"] == "stop"
+
+    engine = ClusterEngine(EngineArgs(model, pp=pp))
+    try:
+        seq_ids = [engine.submit(i, r) for i, r in enumerate(requests)]
+        results = {}
+        while len(results) < len(requests):
+            results.update(engine.wait_finished(timeout=5))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for seq_id, want in zip(seq_ids, expected):
+        assert {k: results[seq_id][k] for k in KEYS} == {k: want[k] for k in KEYS}
+    # more of the sequences' steps came from calls sent ahead than any one sequence has tokens: the calls were
+    # of several sequences
+    assert stats["ahead_steps"] - stats["ahead_dropped"] > max(len(r["token_ids"]) for r in expected), stats
+
+
+def test_what_is_planned_ahead():
     files = open_model("tiny-qwen35moe")
-    core = EngineCore(files.config, files.tokenizer)
-    seq = core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    core = EngineCore(files.config, files.tokenizer, max_running=2)
+    a = core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     batch, plan = core.next_batch(0)
     ahead, ahead_plan = core.plan_ahead(plan)
     assert ahead.follow and ahead.token_ids is None
-    assert (ahead.seq_ids, ahead.start_pos, ahead.lengths) == ([seq.seq_id], [3], [1])
+    assert (ahead.seq_ids, ahead.start_pos, ahead.lengths) == ([a.seq_id], [3], [1])
     assert ahead.sampling[0].position == 1 and ahead_plan[0].start == 3
-    core.add_request("b", [8, 9], SamplingParams(max_tokens=4))
-    assert core.plan_ahead(plan) is None             # another waits: the next batch may take it in
-    core.finish(seq, "abort")
-    penalised = core.add_request("c", [5, 6], SamplingParams(max_tokens=4, presence_penalty=0.5))
-    core.finish(core.sequences[1], "abort")
+    b = core.add_request("b", [8, 9], SamplingParams(max_tokens=4))
+    assert core.plan_ahead(plan) is None             # another waits, and there is room: the next batch takes it in
+    core.consume([(11, None, [])], plan)
+    _, plan = core.next_batch(0)
+    assert sorted((c.seq.seq_id, c.start, c.length) for c in plan) == [(a.seq_id, 3, 1), (b.seq_id, 0, 2)]
+    assert core.plan_ahead(plan) is None                    # two rows, but one computed alone
+    core.add_request("c", [4], SamplingParams(max_tokens=4))     # waits, with no room for it
+    ahead, ahead_plan = core.plan_ahead(plan, steps=5, max_rows=2)
+    rows = list(dict.fromkeys(c.seq for c in plan))
+    start = {a: 4, b: 2}
+    # a has 2 tokens to come after the one in flight, b 3: the call ends where a's max_tokens does
+    assert (ahead.seq_ids, ahead.start_pos, ahead.steps) == ([s.seq_id for s in rows], [start[s] for s in rows], 2)
+    assert [(c.seq, c.start) for c in ahead_plan] == [(s, start[s] + i) for i in range(2) for s in rows]
+    assert [c.position for c in ahead.sampling] == [{a: 2, b: 1}[s] for s in rows]
+    assert [c.tip for c in ahead.sampling] == [0, 1] and ahead.logit_rows == [0, 1]
+    for seq in list(core.sequences.values()):
+        core.finish(seq, "abort")
+    penalised = core.add_request("d", [5, 6], SamplingParams(max_tokens=4, presence_penalty=0.5))
     _, plan = core.next_batch(0)
     assert [c.seq for c in plan] == [penalised] and core.plan_ahead(plan) is None
 
@@ -113,7 +162,7 @@ def test_several_steps_a_call_stop_at_an_end_token():
     ahead, ahead_plan = engine.plan_ahead(plan, steps=20)
     assert ahead.steps == 9 and [c.start for c in ahead_plan] == list(range(3, 12))     # max_tokens caps it
     assert ahead.sampling[0].position == 1
-    ahead.end_ids = frozenset([tokens[end]])
+    ahead.end_ids = [frozenset([tokens[end]])]
     results = stage.forward(ahead)
     assert [first[0][0]] + [r[0] for r in results] == tokens[:end + 1]
     engine.consume(first, plan)
