@@ -81,8 +81,8 @@ def test_steps_sent_ahead_give_the_same_outputs(model, steps_per_call, pp):
 @pytest.mark.parametrize("model,pp", [("tiny-qwen35moe", 1), ("tiny-gptoss", 2)])
 def test_several_sequences_sent_ahead_give_the_same_outputs(model, pp):
     """Several sequences at once: their decode steps go ahead together as one call of several rows (4 steps a
-    call, the default), stopped early where one ends by a stop token, with rows of sequences a stop string ended
-    computed for nothing; each sequence's outputs are its own alone, bit for bit."""
+    call, the default), stopped early where one ends by a stop token, with rows of sequences that a stop string
+    ended or a cancel took computed for nothing; each sequence's outputs are its own alone, bit for bit."""
     greedy = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     alone = local_results(model, [greedy])[0]
     stop = alone["text"][len(alone["text"]) // 2:len(alone["text"]) // 2 + 2]
@@ -100,14 +100,18 @@ def test_several_sequences_sent_ahead_give_the_same_outputs(model, pp):
     engine = ClusterEngine(EngineArgs(model, pp=pp))
     try:
         seq_ids = [engine.submit(i, r) for i, r in enumerate(requests)]
+        cancelled = engine.submit("c", {"prompt": "Cancel me", "max_tokens": 3000, "ignore_eos": True})
         results = {}
-        while len(results) < len(requests):
+        while len(results) < len(requests) + 1:
             results.update(engine.wait_finished(timeout=5))
+            if results and cancelled not in results:     # while the others decode with it
+                engine.cancel(cancelled)
         stats = engine.stats()
     finally:
         engine.shutdown()
     for seq_id, want in zip(seq_ids, expected):
         assert {k: results[seq_id][k] for k in KEYS} == {k: want[k] for k in KEYS}
+    assert results[cancelled]["finish_reason"] == "abort" and len(results[cancelled]["token_ids"]) < 3000
     # more of the sequences' steps came from calls sent ahead than any one sequence has tokens: the calls were
     # of several sequences
     assert stats["ahead_steps"] - stats["ahead_dropped"] > max(len(r["token_ids"]) for r in expected), stats
