@@ -372,7 +372,7 @@ class Coordinator:
         if group not in self.ahead:
             return
         refs, plan, batch, part = self.ahead.pop(group)
-        if any(self.core.sequences.get(c.seq.seq_id) is c.seq for c in plan):
+        if any(self.core.alive(c.seq) for c in plan):
             self.in_flight[group] = (refs, plan, batch, part)
         else:       # they ended (or were cancelled) with the tokens before: their caches are released after this step
             self.core.drop_ahead(plan)
@@ -485,7 +485,7 @@ class Coordinator:
 
     def _consume(self, results, plan, follow: bool = False):
         # a several-step call's chunks are its sequences' in turn; those of a sequence that had ended are not used
-        seqs = [seq for seq in dict.fromkeys(c.seq for c in plan) if self.core.sequences.get(seq.seq_id) is seq]
+        seqs = [seq for seq in dict.fromkeys(c.seq for c in plan) if self.core.alive(seq)]
         before = {c.seq.seq_id: len(c.seq.output_ids) for c in plan}
         finished = self.core.consume(results, plan, follow)
         now = time.perf_counter()

@@ -85,6 +85,10 @@ class EngineCore:
         """New sequences get ids from `first` on (a coordinator that took over from a dead one: past its ids)."""
         self._ids = itertools.count(first)
 
+    def alive(self, seq: Sequence) -> bool:
+        """Whether `seq` has not ended (a sequence re-admitted under its id is another one)."""
+        return self.sequences.get(seq.seq_id) is seq
+
     def running(self) -> int:
         return sum(len(g.running) for g in self.groups)
 
@@ -138,15 +142,18 @@ class EngineCore:
         batch). None where the next step is not certain to be that one (one may be let in, a sequence ends by
         max_tokens or the context with `plan`) or needs a token here first (a penalty's or a grammar's history, a
         test's script)."""
-        seqs = list(dict.fromkeys(c.seq for c in plan))
+        chunks_of: dict[Sequence, list[PlannedChunk]] = {}
+        for c in plan:
+            chunks_of.setdefault(c.seq, []).append(c)
+        seqs = list(chunks_of)
         if (self.waiting and self.running() < self.max_running) or self.running() != len(seqs) \
                 or len(seqs) > max_rows:
             return None
         rows = []       # (seq, tokens it has in flight, where the last of them goes)
-        for seq in seqs:
-            params, pending = seq.params, sum(1 for c in plan if c.seq is seq)
+        for seq, chunks in chunks_of.items():
+            params, pending = seq.params, len(chunks)
             start = seq.n_tokens + pending - 1
-            last = max((c for c in plan if c.seq is seq), key=lambda c: c.start)
+            last = max(chunks, key=lambda c: c.start)
             if (last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
                     or seq.script is not None or params.needs_history):
                 return None
@@ -195,7 +202,7 @@ class EngineCore:
             seq = c.seq
             if seq in finished:     # it ended at an earlier step of a several-step call (plan_ahead)
                 continue
-            if follow and (i >= len(results) or self.sequences.get(seq.seq_id) is not seq):
+            if follow and (i >= len(results) or not self.alive(seq)):
                 continue
             result = results[i] if i < len(results) else "the stage returned no result for this step"
             try:
