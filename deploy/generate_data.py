@@ -63,8 +63,9 @@ def run(args, engine_args, defaults: dict, check_signals) -> int:
                             fn_constructor_kwargs=dict(engine_args=engine_args, defaults=defaults,
                                                        done=writer.done if writer else set()))
         start = time.perf_counter()
+        transports = set()       # what each replica's pipeline moves activations over (`auto` picks per pipeline)
         if writer is not None:
-            count = write_rows(ds, writer, check_signals)
+            count = write_rows(ds, writer, check_signals, transports)
             summary = f"{count} requests"
         else:
             if args.output.rstrip("/").endswith(".parquet"):
@@ -78,7 +79,7 @@ def run(args, engine_args, defaults: dict, check_signals) -> int:
         if writer is not None:
             writer.close()
     print(f"{summary} in {time.perf_counter() - start:.2f} s to {args.output}; {args.replicas} replica(s), "
-          f"pp={args.pp} ep={args.ep} transport={args.transport}", file=sys.stderr)
+          f"pp={args.pp} ep={args.ep} transport={'/'.join(sorted(transports)) or args.transport}", file=sys.stderr)
     return 0
 
 
@@ -150,6 +151,7 @@ class Replica:
 
         self.engine = ClusterEngine(engine_args)
         self.defaults, self.done = defaults, done
+        self.transport = self.engine.stats()["transport"]     # what `auto` picked here, for the driver's summary
 
     def __call__(self, table):
         results, good = [], []
@@ -174,16 +176,19 @@ class Replica:
                 if seq_id in chats:
                     result = split_chat_result(result, self.engine.tokenizer, chats.pop(seq_id))
                 results[in_flight.pop(seq_id)] = result
-        return pa.table({"result": pa.array([json.dumps(r, ensure_ascii=False) for r in results], pa.string())})
+        return pa.table({"result": pa.array([json.dumps(r, ensure_ascii=False) for r in results], pa.string()),
+                         "transport": pa.array([self.transport] * len(results), pa.string())})
 
 
-def write_rows(ds, writer: ResultWriter, check_signals) -> int:
-    """The driver writes each result as Ray Data yields it; a repeated id stops the job."""
+def write_rows(ds, writer: ResultWriter, check_signals, transports: set[str]) -> int:
+    """The driver writes each result as Ray Data yields it; a repeated id stops the job. Adds the transports
+    the replicas used to `transports`."""
     seen, count = set(), 0
     with tqdm(desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
         for row in ds.iter_rows():
             check_signals()
             result = json.loads(row["result"])
+            transports.add(row["transport"])
             if result["id"] is not None:
                 key = id_key(result["id"])
                 if key in seen:

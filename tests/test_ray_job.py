@@ -89,6 +89,7 @@ def test_ray_job_submit_batch_generation(head_node, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "succeeded" in proc.stdout + proc.stderr
     assert "2 replica(s), pp=2" in proc.stdout + proc.stderr      # two pipelines fed by one Ray Data stream
+    assert "transport=shm" in proc.stdout + proc.stderr           # what `auto` picked for stages on one node
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in results] == ["a", "b", "c"]
     assert len(results[0]["token_ids"]) == 6 and len(results[1]["token_ids"]) == 4
