@@ -104,9 +104,11 @@ class Coordinator:
         self.progress_at = time.monotonic()             # when the last step completed (or work arrived)
         self.current: tuple[int, list | None] | None = None   # (group, plan) the loop is handling
 
-    def start(self):
-        """Start the stage actors and wait until every one has loaded its weights."""
+    def start(self) -> str | None:
+        """Start the stage actors and wait until every one has loaded its weights. Returns a warning for the
+        user, or None."""
         self.pipeline = Pipeline(self.spec)
+        return self.pipeline.fallback
 
     # ---- requests -------------------------------------------------------------------------
     def _ensure_loop(self):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -133,8 +134,6 @@ def plan_memory(files, spec: PipelineSpec):
 def show_loading(ref, spec: PipelineSpec):
     """While `ref` (the pipeline's start) is pending, a progress bar per stage of the bytes it has read
     (on a terminal); returns ref."""
-    import sys
-
     from tqdm import tqdm
 
     ranges = spec.ranges()
@@ -229,7 +228,9 @@ class ClusterEngine:
         self._recovering: asyncio.Future | None = None
         self.coordinator = new_coordinator(self.spec)
         with ray_errors(COORDINATOR_DIED):
-            ray.get(show_loading(self.coordinator.start.remote(), self.spec))
+            warning = ray.get(show_loading(self.coordinator.start.remote(), self.spec))
+        if warning:     # the coordinator's own log does not reach the driver
+            print(f"warning: {warning}", file=sys.stderr)
 
     # ---- the coordinator's death -------------------------------------------------------------------
     def _replacement(self, dead):

@@ -117,6 +117,7 @@ class Pipeline:
             self._check_one_node()
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         self.transport = args.transport
+        self.fallback: str | None = None    # why `auto` left the transport it chose, for the driver to say
         if self.transport == "auto":
             one_node = len({nodes[i] for i in range(args.pp)}) == 1
             self.transport = "shm" if args.pp > 1 and args.device == "cpu" and one_node else "object_store"
@@ -201,7 +202,8 @@ class Pipeline:
                 cause = unwrap(e)
                 if self.args.transport != "auto" or not isinstance(cause, RaymoeError):
                     raise
-                log.warning("the shm transport cannot start (%s); activations go through the object store", cause)
+                self.fallback = f"the shm transport cannot start ({cause}); activations go through the object store"
+                log.warning(self.fallback)
                 ray.get([a.shm_close.remote() for a in self.stages])
                 self.transport = "object_store"
 

@@ -26,7 +26,9 @@ import torch
 
 from stages.errors import RaymoeError
 
-SHM_DIR = "/dev/shm"
+# where the rings live: a tmpfs every stage of the node maps (RAYMOE_SHM_DIR names another, as where a
+# container's /dev/shm is too small), read by the coordinator's process, which names the rings
+SHM_DIR = os.environ.get("RAYMOE_SHM_DIR", "/dev/shm")
 SLOTS = 4                       # messages a sender may be ahead of its receiver
 HEADER = struct.Struct("<8q")   # seq, status, dtype code, ndim, shape[0..2], nbytes
 HEADER_BYTES = 64               # keeps every slot's data 64-byte aligned

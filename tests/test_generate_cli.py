@@ -219,6 +219,31 @@ def test_a_killed_driver_leaves_no_ray_process(tmp_path, sig, delay):
             proc.wait()
 
 
+def test_auto_transport_falls_back_where_the_rings_cannot_be_made(tmp_path, capsys):
+    """`--pp 2` on one node moves activations over shm rings (`--transport auto`). On a node where they cannot be
+    made (here RAYMOE_SHM_DIR names no folder) the job warns, takes the object store, and writes the same lines."""
+    import subprocess
+    import sys
+
+    from serve_util import ROOT
+
+    reqs = seeded_requests(6)
+    expected = run(tmp_path, reqs, "--pp", "2", name="shm")
+    assert "transport=shm" in capsys.readouterr().err
+    src, out = tmp_path / "fallback.in.jsonl", tmp_path / "fallback.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    env = {**os.environ, "RAYMOE_SHM_DIR": str(tmp_path / "none")}
+    env.pop("RAY_ADDRESS", None)        # a cluster of its own, whose actors see the variable
+    proc = subprocess.run([sys.executable, "-m", "deploy.generate", "--model", "tiny-qwen35moe", "--input", str(src),
+                           "--output", str(out), "--pp", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"warning: the shm transport cannot start (--transport shm needs {tmp_path / 'none'} (Linux shared "
+            f"memory), which this node lacks") in proc.stderr, proc.stderr
+    assert "transport=object_store" in proc.stderr and "Traceback" not in proc.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == expected
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
