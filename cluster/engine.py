@@ -228,9 +228,9 @@ class ClusterEngine:
         self._recovering: asyncio.Future | None = None
         self.coordinator = new_coordinator(self.spec)
         with ray_errors(COORDINATOR_DIED):
-            warning = ray.get(show_loading(self.coordinator.start.remote(), self.spec))
-        if warning:     # the coordinator's own log does not reach the driver
-            print(f"warning: {warning}", file=sys.stderr)
+            self.start_warning: str | None = ray.get(show_loading(self.coordinator.start.remote(), self.spec))
+        if self.start_warning:     # the coordinator's own log does not reach the driver
+            print(f"warning: {self.start_warning}", file=sys.stderr)
 
     # ---- the coordinator's death -------------------------------------------------------------------
     def _replacement(self, dead):
@@ -410,6 +410,10 @@ class ClusterEngine:
         seq_id = await self._acall("submit", request_id, request, defaults, False)
         self._opened(seq_id, request_id, request, defaults, False)
         return seq_id
+
+    async def stats_async(self) -> dict:
+        """stats(), for servers."""
+        return {**await self._acall("pipeline_stats"), "coordinator_restarts": self.restarts}
 
     async def check_health_async(self):
         """Raise RaymoeError when the engine cannot make progress (see Coordinator.check_health)."""

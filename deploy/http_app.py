@@ -278,6 +278,12 @@ class RaymoeServer:
             return error_response(APIError(503, f"unhealthy: {type(e).__name__}: {e}", code="unhealthy"))
         return {"status": "ok", "model": self.serving.model_name, **load}
 
+    async def pipeline_info(self) -> dict:
+        """For deploy.serve's first line (not a route): what the replica's pipeline moves activations over, and
+        the warning its start gave, if any."""
+        engine = self.serving.engine
+        return {"transport": (await engine.stats_async())["transport"], "warning": engine.start_warning}
+
     @api.get("/metrics")
     async def metrics(self):
         try:

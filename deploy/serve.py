@@ -157,7 +157,11 @@ def main(argv=None) -> int:
         host = _url_host(args.host)
         grpc_text = f", gRPC on {host}:{args.grpc_port}" if args.grpc_port else ""
         auth = "API key required" if serve_args.api_key else "no authentication"
-        print(f"serving {serve_args.name} (pp={args.pp}) on http://{host}:{args.port}{grpc_text} ({auth}); "
+        info = handle.options(method_name="pipeline_info").remote().result(timeout_s=60)    # one replica's
+        if info["warning"]:
+            print(f"warning: {info['warning']}", file=sys.stderr)
+        transport = f", transport={info['transport']}" if args.pp > 1 else ""
+        print(f"serving {serve_args.name} (pp={args.pp}{transport}) on http://{host}:{args.port}{grpc_text} ({auth}); "
               f"Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
