@@ -129,6 +129,14 @@ class ServerProcess:
             time.sleep(1)
         raise AssertionError(f"deploy.serve did not become healthy in {timeout}s: {self.tail()}")
 
+    def wait_for_line(self, text: str, timeout: float = 60) -> str:
+        """The log once it holds `text` (the start-up line comes after /health answers, once serve.run
+        returns), or as it is at the timeout."""
+        deadline = time.time() + timeout
+        while text not in self.tail() and time.time() < deadline:
+            time.sleep(0.5)
+        return self.tail()
+
     def tail(self, n: int = 3000) -> str:
         self.log.flush()
         with open(self.log_path) as f:

@@ -92,10 +92,8 @@ def test_killing_one_of_two_replicas_fails_only_its_requests_and_new_ones_succee
     server = ServerProcess(tmp_path / "serve.log", "--replicas", "2", "--pp", "2", "--max-running", "16")
     try:
         server.wait_ready()
-        deadline = time.time() + 60                 # the start-up line, once serve.run returns, names the transport
-        while "SIGTERM stops" not in server.tail() and time.time() < deadline:
-            time.sleep(0.5)
-        assert "(pp=2, transport=shm) on http://127.0.0.1" in server.tail(), server.tail()
+        log = server.wait_for_line("SIGTERM stops")        # the start-up line names the transport
+        assert "(pp=2, transport=shm) on http://127.0.0.1" in log, log
         replicas = [pid for pid in descendants(server.proc.pid) if b"ray::ServeReplica:raymoe:" in cmdline(pid)]
         assert len(replicas) == 2, replicas
         stages = stage_actors(server, expected=4)

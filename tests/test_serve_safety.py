@@ -64,10 +64,7 @@ def listening_addresses(port: int) -> set[str]:
 def test_grpc_listens_where_http_listens(server):
     assert listening_addresses(server.port) == {"127.0.0.1"}
     assert listening_addresses(server.grpc_port) == {"127.0.0.1"}
-    deadline = time.time() + 60                  # the start-up line comes once serve.run returns
-    while f"gRPC on 127.0.0.1:{server.grpc_port}" not in server.tail() and time.time() < deadline:
-        time.sleep(0.5)
-    assert f"gRPC on 127.0.0.1:{server.grpc_port}" in server.tail()
+    assert f"gRPC on 127.0.0.1:{server.grpc_port}" in server.wait_for_line(f"gRPC on 127.0.0.1:{server.grpc_port}")
 
 
 def test_http_needs_the_api_key(server):
