@@ -27,26 +27,26 @@ setup-test: $(VENV)/.installed-test
 
 run: setup
 	mkdir -p out
-	$(PY) -m deploy.demo --model tiny-qwen35moe --input examples/prompts.jsonl --output out/generations.jsonl
+	$(PY) -m raymoe.deploy.demo --model tiny-qwen35moe --input examples/prompts.jsonl --output out/generations.jsonl
 
 test: setup-test
-	$(PY) -m pytest
+	$(VENV)/bin/pytest
 
 test-fast: setup-test
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not slow"
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not slow"
 
 bench-deps: setup-test
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 
 bench: setup-test
 	mkdir -p out
-	$(PY) -m tools.bench --json out/bench.json --plot out/bench.png
+	$(PY) -m raymoe.tools.bench --json out/bench.json --plot out/bench.png
 
 bench-serve: setup
-	$(PY) -m tools.bench_serve
+	$(PY) -m raymoe.tools.bench_serve
 
 serve: setup
-	$(PY) -m deploy.serve --model tiny-qwen35moe
+	$(PY) -m raymoe.deploy.serve --model tiny-qwen35moe
 
 # regenerate the gRPC stubs (protos/*_pb2*.py) after editing a .proto
 protos: setup

@@ -13,14 +13,14 @@ import time
 import ray
 import torch
 
-from kernels.allocator import keep_freed_memory
-from kernels.threads import loading_threads, node_cores, release_openmp_workers, share_of_cores
-from kernels.weights import rows_computed_alone
-from stages.errors import RaymoeError
-from stages.loader import open_model
-from stages.engine import split_layers
-from stages.memory import GiB, prefix_shares, stage_need
-from stages.stage import Stage, StageWeights
+from raymoe.kernels.allocator import keep_freed_memory
+from raymoe.kernels.threads import loading_threads, node_cores, release_openmp_workers, share_of_cores
+from raymoe.kernels.weights import rows_computed_alone
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.engine import split_layers
+from raymoe.stages.runtime.memory import GiB, prefix_shares, stage_need
+from raymoe.stages.runtime.stage import Stage, StageWeights
 
 from .chain import ChainLink
 from .shm import SLOTS, Ring, unlink

@@ -1,6 +1,6 @@
 """The coordinator actor: owns every sequence, schedules micro-batches, keeps the pipeline full.
 
-Every micro-batch group (see stages.engine.EngineCore) may have a batch in flight at once, so
+Every micro-batch group (see stages.runtime.engine.EngineCore) may have a batch in flight at once, so
 with at least as many groups as stages every stage has work. Batches are planned round-robin over
 the groups and their results consumed in the order they were planned, whatever the pipeline depth:
 the same requests give the same batches, and the same outputs, at every PP. Decode steps planned while the pipeline
@@ -23,14 +23,14 @@ from collections import deque
 import ray
 import torch
 
-from stages.batch import merge_decode_steps, mergeable
-from stages.engine import EngineCore
-from stages.errors import RaymoeError, RequestError
-from stages.loader import open_model
-from stages.memory import CacheBudget, GiB
-from stages.prefix_cache import prefix_load_off
-from stages.requests import line_grammar, prompt_ids, sampling_params
-from stages.sampling import SamplingParams
+from raymoe.stages.runtime.batch import merge_decode_steps, mergeable
+from raymoe.stages.runtime.engine import EngineCore
+from raymoe.stages.errors import RaymoeError, RequestError
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.memory import CacheBudget, GiB
+from raymoe.stages.prefix.cache import prefix_load_off
+from raymoe.stages.text.requests import line_grammar, prompt_ids, sampling_params
+from raymoe.stages.text.sampling_params import SamplingParams
 
 from .outputs import Outputs
 from .pipeline import Pipeline, PipelineSpec
@@ -136,7 +136,7 @@ class Coordinator:
         ({"token_ids", "logprobs", "text_chars"}, or None) is what their reader already got: those tokens are
         replayed as if sampled, so the sequence recomputes its caches from prompt and tokens (as after a stage
         restart) and goes on from there; its stream starts after them. Sampling draws depend only on the seed
-        and the token's position (stages/sampling.py): a seeded or greedy sequence continues as it would have."""
+        and the token's position (stages/runtime/sampler.py): a seeded or greedy sequence continues as it would have."""
         self.core.continue_ids(next_seq_id)
         for seq_id, request_id, request, defaults, collect, delivered in sequences:
             seq = self._add(request_id, request, defaults, collect, seq_id)
@@ -345,7 +345,7 @@ class Coordinator:
 
     def _launch_ahead(self):
         """One step in flight on a pipeline that chains steps (Pipeline.chains: one stage, or stages linked by shm
-        rings), the decode step of every running sequence: send the next step now (stages/engine.py plan_ahead), so
+        rings), the decode step of every running sequence: send the next step now (stages/runtime/engine.py plan_ahead), so
         that the stages start it as soon as this one ends instead of waiting for the coordinator to consume the
         result and plan again, as vLLM's asynchronous scheduling does. It is the step the coordinator would send
         next, so the outputs are the same. With steps_per_call > 1 it runs that many steps (StepBatch.steps). When

@@ -20,9 +20,9 @@ from collections import deque
 
 import ray
 
-from stages.errors import RaymoeError, unwrap
-from stages.loader import open_model
-from stages.memory import GiB, fit_running, prefix_shares, stage_need
+from raymoe.stages.errors import RaymoeError, unwrap
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.memory import GiB, fit_running, prefix_shares, stage_need
 
 from . import watchdog
 from .coordinator import MAX_RESTARTS, RESTART_WINDOW, Coordinator
@@ -88,7 +88,7 @@ def check_gpus(args: EngineArgs):
 def plan_memory(files, spec: PipelineSpec):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
     bundles' `memory`, the stages' cache budget and, in spec.args.max_running, how many sequences may run
-    at once (see stages/memory.py), and in spec.args.prefix_cache_gb the prefix cache's size (without the flag:
+    at once (see stages/runtime/memory.py), and in spec.args.prefix_cache_gb the prefix cache's size (without the flag:
     PREFIX_SHARE of what the weights leave free, or with --max-running of what its sequences leave). Memory for the running sequences' full-context caches is reserved;
     without --max-running, when fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING
     sequences still run as long as their own bounds (prompt + max_tokens) fit the same reservation

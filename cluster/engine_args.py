@@ -12,10 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from stages.chat import check_template_kwargs, load_chat_template
-from stages.engine import split_layers
-from stages.errors import RaymoeError, RequestError
-from stages.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
+from raymoe.stages.text.chat import check_template_kwargs, load_chat_template
+from raymoe.stages.runtime.engine import split_layers
+from raymoe.stages.errors import RaymoeError, RequestError
+from raymoe.stages.files.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
 DEVICES = ("cpu", "cuda")
 TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
@@ -30,7 +30,7 @@ class EngineArgs:
     model: str                               # a .gguf file, an HF model directory, or an embedded model's name
     pp: int = 1                              # pipeline stages, one actor each
     ep: int = 0                              # expert actors per stage (0: experts run in the stage)
-    dtype: str = "auto"                      # a key of stages.loader.MODES
+    dtype: str = "auto"                      # a key of stages.files.loader.MODES
     device: str = "cpu"
     transport: str = "auto"                  # one of TRANSPORTS
     placement: str = "pack"                  # a key of PLACEMENTS

@@ -28,9 +28,9 @@ from ray.util import get_placement_group, placement_group_table
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kernels.threads import process_env
-from stages.engine import split_layers
-from stages.errors import RaymoeError, unwrap
+from raymoe.kernels.threads import process_env
+from raymoe.stages.runtime.engine import split_layers
+from raymoe.stages.errors import RaymoeError, unwrap
 
 from .actors import ExpertActor, StageActor
 from .engine_args import PLACEMENTS, EngineArgs
@@ -50,7 +50,7 @@ class PipelineSpec:
     n_layers: int
     n_experts: int
     name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
-    stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/memory.py)
+    stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/runtime/memory.py)
     cache_budget: list[int] | None = None   # of which bytes of cache for running sequences (admission by memory)
 
     def ranges(self) -> list[range]:

@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from stages.errors import RaymoeError
+from raymoe.stages.errors import RaymoeError
 
 # where the rings live: a tmpfs every stage of the node maps (RAYMOE_SHM_DIR names another, as where a
 # container's /dev/shm is too small), read by the coordinator's process, which names the rings

@@ -1,6 +1,6 @@
 """Stops a local Ray cluster whose driver died without stopping it (SIGKILL, the OOM killer).
 
-    python -m cluster.watchdog DRIVER_PID
+    python -m raymoe.cluster.watchdog DRIVER_PID
 
 connect_ray starts this beside a local cluster it starts. Ray's gcs_server and raylet end with
 their parent, and the workers with the raylet, but the raylet's agents (DashboardAgent,
@@ -104,7 +104,7 @@ def start():
     if not os.path.isdir("/proc/self"):
         return None
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.watchdog", str(os.getpid())], cwd=root,
+    proc = subprocess.Popen([sys.executable, "-m", "raymoe.cluster.watchdog", str(os.getpid())], cwd=root,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     atexit.register(_stop, proc)
     return proc

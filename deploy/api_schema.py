@@ -5,7 +5,7 @@ deploy/openai_api.py validates them, with its own error messages. The models her
 Schema, with this server's own limits (its model's name, vocabulary and context, --max-messages), and the
 responses each status has. What the document refuses, the server refuses with a 4xx; what it accepts may
 still be refused for what a schema cannot say (a prompt longer than the context once tokenized, a chat
-template that does not take a role). tests/test_api_fuzz.py holds the server to the document with
+template that does not take a role). tests/deploy/test_api_fuzz.py holds the server to the document with
 schemathesis.
 """
 from typing import Annotated, Any, Literal
@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from deploy.openai_api import CHAT_ROLES
-from stages.chat import MAX_TEMPLATE_KWARGS
-from stages.errors import RequestError
-from stages.requests import chat_prompt
-from stages.sampling import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MAX_STOP_CHARS,
-                             MAX_STOP_TOKEN_IDS, MAX_STOPS, REPETITION_RANGE)
+from raymoe.deploy.openai_api import CHAT_ROLES
+from raymoe.stages.text.chat import MAX_TEMPLATE_KWARGS
+from raymoe.stages.errors import RequestError
+from raymoe.stages.text.requests import chat_prompt
+from raymoe.stages.text.sampling_params import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY,
+                                                MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, REPETITION_RANGE)
 
 REF = "#/components/schemas/{model}"
 SECURITY_SCHEME = "bearerAuth"
@@ -189,7 +189,7 @@ class DetokenizeResponse(_Closed):
 
 
 class PrefixCacheLoad(_Closed):
-    """The prefix cache's size and use (stages/prefix_cache.py; all zero when it is off)."""
+    """The prefix cache's size and use (stages/prefix/cache.py; all zero when it is off)."""
     budget_bytes: int
     bytes: int
     blocks: int

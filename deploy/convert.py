@@ -1,7 +1,7 @@
 """Convert an HF checkpoint to GGUF, with every convention change of docs/model-formats.md (qwen35moe §2,
 gpt-oss §4, qwen3next §7).
 
-    python -m deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
+    python -m raymoe.deploy.convert HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0]
 
 The tensors come from the same reader the engine uses for HF directories, so a converted
 file computes exactly what the directory does. 1-D tensors (norms, gates), biases and the
@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from stages.errors import RaymoeError
-from stages.family import global_tensor_shapes
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.families.contract import global_tensor_shapes
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -66,8 +66,8 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
     import gguf
     from tqdm import tqdm
 
-    from stages.loader import open_model
-    from stages.tokenizer import write_tokenizer_to_gguf
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.text.tokenizer import write_tokenizer_to_gguf
 
     if not os.path.isdir(hf_dir):
         raise RaymoeError(f"{hf_dir}: not a directory (convert takes an HF checkpoint directory)")
@@ -105,7 +105,7 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.convert", description="HF checkpoint -> GGUF")
+    p = argparse.ArgumentParser(prog="python -m raymoe.deploy.convert", description="HF checkpoint -> GGUF")
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--type", default="f32", choices=TYPES)

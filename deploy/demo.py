@@ -1,6 +1,6 @@
 """`make run`: a PP=2 batch generation on the cluster, checked against PP=1.
 
-    python -m deploy.demo [--model tiny-qwen35moe] [--input examples/prompts.jsonl] [--output out/generations.jsonl]
+    python -m raymoe.deploy.demo [--model tiny-qwen35moe] [--input examples/prompts.jsonl] [--output out/generations.jsonl]
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from stages.errors import RaymoeError
+from raymoe.stages.errors import RaymoeError
 
 
 class Collected:
@@ -26,9 +26,9 @@ class Collected:
 def run_batch(model: str, pp: int, path: str, defaults) -> tuple[list[dict], float]:
     from tqdm import tqdm
 
-    from cluster.engine import ClusterEngine, EngineArgs
-    from deploy.generate import StreamingJob
-    from deploy.results_file import LineReader, read_lines
+    from raymoe.cluster.engine import ClusterEngine, EngineArgs
+    from raymoe.deploy.generate import StreamingJob
+    from raymoe.deploy.results_file import LineReader, read_lines
 
     lines = read_lines(path)
     engine = ClusterEngine(EngineArgs(model, pp=pp))
@@ -49,7 +49,7 @@ def run_batch(model: str, pp: int, path: str, defaults) -> tuple[list[dict], flo
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.deploy.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen35moe")
     p.add_argument("--input", default="examples/prompts.jsonl")
     p.add_argument("--output", default="out/generations.jsonl")

@@ -1,6 +1,6 @@
 """Batch generation: JSONL prompts in, JSONL generations out (docs/model-formats.md §1).
 
-    python -m deploy.generate --model MODEL --input IN.jsonl --output OUT.jsonl [flags]
+    python -m raymoe.deploy.generate --model MODEL --input IN.jsonl --output OUT.jsonl [flags]
 
 Each output line matches its input line, in order (or as they finish, --unordered), written and
 flushed as it finishes, with a bounded number of lines held; a bad line gets {"id", "error"} and the
@@ -22,16 +22,16 @@ import sys
 import threading
 import time
 
-from cluster.engine_args import EngineArgs, add_engine_flags
-from deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
-from stages.chat import load_chat_template
-from stages.errors import RaymoeError, RequestError
-from stages.tool_calls import split_chat_result
-from stages.sampling import SamplingParams
+from raymoe.cluster.engine_args import EngineArgs, add_engine_flags
+from raymoe.deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
+from raymoe.stages.text.chat import load_chat_template
+from raymoe.stages.errors import RaymoeError, RequestError
+from raymoe.stages.text.tool_calls import split_chat_result
+from raymoe.stages.text.sampling_params import SamplingParams
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.deploy.generate", description=__doc__.split("\n\n")[0])
     add_engine_flags(p, ["model"])
     p.add_argument("--input", required=True,
                    help="requests: a JSONL file; through Ray Data also a .parquet file, a folder of either, or a URI")
@@ -101,7 +101,7 @@ def _check_signals():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from cluster.engine import disconnect_ray
+    from raymoe.cluster.engine import disconnect_ray
 
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in SIGNALS} if on_main_thread else {}
@@ -143,7 +143,7 @@ def run(args) -> int:
     engine_args = dataclasses.replace(engine_args, chat_template=load_chat_template(engine_args.chat_template))
     if args.replicas == 1 and args.input_format != "parquet" and local_jsonl(args.input) and local_jsonl(args.output):
         return run_local(args, engine_args, defaults)
-    from deploy import generate_data
+    from raymoe.deploy import generate_data
     _Signals.deferred = False      # Ray Data blocks inside its own iterator: a signal interrupts it there
     return generate_data.run(args, engine_args, defaults, check_signals=_check_signals)
 
@@ -151,7 +151,7 @@ def run(args) -> int:
 def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     from tqdm import tqdm
 
-    from cluster.engine import ClusterEngine
+    from raymoe.cluster.engine import ClusterEngine
 
     lines = read_lines(args.input)
     writer = ResultWriter(args.output, args.resume)

@@ -21,9 +21,9 @@ import ray.data
 from ray.data.datasource import BlockBasedFileDatasink
 from tqdm import tqdm
 
-from deploy.results_file import ResultWriter, id_key, local_jsonl, parse_line
-from stages.errors import RaymoeError
-from stages.tool_calls import split_chat_result
+from raymoe.deploy.results_file import ResultWriter, id_key, local_jsonl, parse_line
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.text.tool_calls import split_chat_result
 
 # A Parquet output's columns: nested values (logprobs, tool_calls) as their JSON text, the id as text.
 RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_content", "tool_calls", "finish_reason",
@@ -31,8 +31,8 @@ RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_conte
 
 
 def run(args, engine_args, defaults: dict, check_signals) -> int:
-    from cluster.engine import connect_ray  # here, not above: see Replica
-    from stages.loader import open_model, resolve_model_path
+    from raymoe.cluster.engine import connect_ray  # here, not above: see Replica
+    from raymoe.stages.files.loader import open_model, resolve_model_path
 
     open_model(resolve_model_path(args.model), args.max_model_len)     # a bad model fails here, not in a replica
     input_is_dir = check_input(args.input)
@@ -147,7 +147,7 @@ class Replica:
 
     def __init__(self, engine_args, defaults: dict, done: set[str]):
         # imported here: Ray Data's read and map workers load this module, and need no torch
-        from cluster.engine import ClusterEngine
+        from raymoe.cluster.engine import ClusterEngine
 
         self.engine = ClusterEngine(engine_args)
         self.defaults, self.done = defaults, done

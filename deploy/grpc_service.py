@@ -15,13 +15,13 @@ from time import perf_counter
 
 import grpc
 
-from deploy.openai_api import APIError, TextDeltas, check_text_size, usage
-from stages.errors import RequestError
-from stages.reasoning import CONTENT, REASONING, SplitText, output_parser, split_answer
-from stages.requests import check_prompt, prompt_ids
-from stages.structured import MAX_SCHEMA_BYTES, check_grammar, output_grammar
+from raymoe.deploy.openai_api import APIError, TextDeltas, check_text_size, usage
+from raymoe.stages.errors import RequestError
+from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, output_parser, split_answer
+from raymoe.stages.text.requests import check_prompt, prompt_ids
+from raymoe.stages.text.structured import MAX_SCHEMA_BYTES, check_grammar, output_grammar
 
-from protos import raymoe_pb2 as pb
+from raymoe.protos import raymoe_pb2 as pb
 
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                 404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -15,16 +15,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.api_schema import openapi_document
-from deploy.grpc_service import RaymoeServicer
-from deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
+from raymoe.deploy.api_schema import openapi_document
+from raymoe.deploy.grpc_service import RaymoeServicer
+from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
                                usage_chunk)
-from deploy.responses_api import ResponseItems, error_event, parse_responses, response_body, response_sse
-from deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
-from protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
-from stages.chat import load_chat_template
-from stages.errors import RaymoeError
+from raymoe.deploy.responses_api import ResponseItems, error_event, parse_responses, response_body, response_sse
+from raymoe.deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
+from raymoe.protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
+from raymoe.stages.text.chat import load_chat_template
+from raymoe.stages.errors import RaymoeError
 
 log = logging.getLogger("raymoe.serve")
 
@@ -185,7 +185,7 @@ async def _internal_error(request, e: Exception):
 # A replica that cannot start (a model whose weights do not load) fails the application at once,
 # rather than being retried without end. Stopping (docs/shutdown.md): Serve waits for the requests in flight,
 # looking every graceful_shutdown_wait_loop_s, then awaits __del__ (RaymoeServer.stop), and kills the replica
-# graceful_shutdown_timeout_s after it began; `python -m deploy.serve` calls stop() first, so that streams
+# graceful_shutdown_timeout_s after it began; `python -m raymoe.deploy.serve` calls stop() first, so that streams
 # in flight end with an error event rather than be cut.
 @serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
                   health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,

@@ -11,14 +11,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from stages.chat import check_template_kwargs
-from stages.errors import RequestError
-from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from stages.requests import chat_prompt, check_prompt
-from stages.sampling import MAX_N, SamplingParams, choice_seed
-from stages.structured import output_grammar, response_schema
-from stages.tool_calls import TOOL_CALLS, chat_parsers, split_message, tool_calls_reader
-from stages.tools import TOOL_FIELDS, ToolRequest, tool_request
+from raymoe.stages.text.chat import check_template_kwargs
+from raymoe.stages.errors import RequestError
+from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
+from raymoe.stages.text.requests import chat_prompt, check_prompt
+from raymoe.stages.text.sampling_params import MAX_N, SamplingParams
+from raymoe.stages.runtime.sampler import choice_seed
+from raymoe.stages.text.structured import output_grammar, response_schema
+from raymoe.stages.text.tool_calls import TOOL_CALLS, chat_parsers, split_message, tool_calls_reader
+from raymoe.stages.text.tools import TOOL_FIELDS, ToolRequest, tool_request
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -89,7 +90,7 @@ def request_error(e: RequestError, default_param: str | None = None) -> APIError
     return APIError(400, message, param=param)
 
 
-# the body's sampling fields that go to the engine as they are (stages/sampling.py validates them)
+# the body's sampling fields that go to the engine as they are (stages/text/sampling_params.py validates them)
 ENGINE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 SAMPLING_PARAMS = ("max_tokens", "logprobs", "prompt_logprobs", *ENGINE_FIELDS)
@@ -109,9 +110,9 @@ class Prepared:
     logprobs: int | None = None        # completions: top-K; chat: top_logprobs when logprobs is on
     return_token_ids: bool = False     # extension (as vLLM's): token ids in choices and chunks
     n: int = 1                         # choices: one engine request each (choice_requests)
-    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/reasoning.py); each
+    parser: OutputParser | None = None  # chat: splits reasoning from the answer (stages/text/reasoning.py); each
                                         # choice's answer goes through a fresh() one
-    tools: ToolRequest | None = None    # chat with tools (stages/tools.py): calls are read from the answers
+    tools: ToolRequest | None = None    # chat with tools (stages/text/tools.py): calls are read from the answers
     response_fields: dict = field(default_factory=dict)   # /v1/responses: what its body echoes of the request
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -313,7 +314,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vo
 
 
 def _tools(body: dict) -> ToolRequest | None:
-    """The request's tools, tool_choice and parallel_tool_calls (stages/tools.py); None without tools."""
+    """The request's tools, tool_choice and parallel_tool_calls (stages/text/tools.py); None without tools."""
     try:
         return tool_request(body)
     except RequestError as e:
@@ -323,7 +324,7 @@ def _tools(body: dict) -> ToolRequest | None:
 
 
 def _structured(build, *args):
-    """build(*args) (stages/structured.py), its RequestError a 400 naming the field it is about."""
+    """build(*args) (stages/text/structured.py), its RequestError a 400 naming the field it is about."""
     try:
         return build(*args)
     except RequestError as e:
@@ -632,8 +633,8 @@ class StreamFormatter:
         stop = p.engine_request.get("stop") or []
         stops = [stop] if isinstance(stop, str) else stop
         self.deltas = TextDeltas(stops)
-        # chat with a reasoning format: deltas of reasoning_content or content (stages/reasoning.py), and
-        # with tools, of tool_calls (stages/tool_calls.py)
+        # chat with a reasoning format: deltas of reasoning_content or content (stages/text/reasoning.py), and
+        # with tools, of tool_calls (stages/text/tool_calls.py)
         self.split = self.calls = None
         if p.kind == "chat" and p.parser is not None:
             parser = p.parser.fresh()

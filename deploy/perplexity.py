@@ -1,7 +1,7 @@
 """Perplexity of a text under raymoe's modes, and their KL divergence from an exact reference: llama.cpp's
 `llama-perplexity --kl-divergence` on the Ray cluster.
 
-    python -m deploy.perplexity --model MODEL --text FILE [--ctx 512] [--modes auto,int8] [--reference-mode float32]
+    python -m raymoe.deploy.perplexity --model MODEL --text FILE [--ctx 512] [--modes auto,int8] [--reference-mode float32]
         [--pp 1|2|4] [--batch 512] [--chunks N] [--json PATH]
 
 The text's tokens are cut into chunks of --ctx tokens; each chunk is a fresh sequence, and only the tokens of
@@ -27,14 +27,14 @@ from functools import partial
 import numpy as np
 import torch
 
-from cluster.engine_args import EngineArgs, add_engine_flags
-from stages.batch import StepBatch
-from stages.errors import RaymoeError
-from stages.loader import MODES
+from raymoe.cluster.engine_args import EngineArgs, add_engine_flags
+from raymoe.stages.runtime.batch import StepBatch
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.files.loader import MODES
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m deploy.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.deploy.perplexity", description=__doc__.split("\n\n")[0])
     add_engine_flags(p, ["model"])
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (the context each chunk is scored in)")
@@ -136,8 +136,8 @@ def run_mode(args, files, path: str, mode: str, steps, n_chunks: int, on_logits,
     has work) and hand each step's logits to on_logits(logits, piece), in order."""
     import ray
 
-    from cluster.engine import pipeline_spec, ray_errors
-    from cluster.pipeline import Pipeline
+    from raymoe.cluster.engine import pipeline_spec, ray_errors
+    from raymoe.cluster.pipeline import Pipeline
 
     window = 2 * args.pp
     # caches for a step's chunk and the chunks of those in flight, each of one chunk's length
@@ -175,8 +175,8 @@ def measure(args) -> dict:
     """Every mode's statistics on the text (the reference first); raises RaymoeError for bad input."""
     from tqdm import tqdm
 
-    from cluster.engine import connect_ray
-    from stages.loader import open_model, resolve_model_path
+    from raymoe.cluster.engine import connect_ray
+    from raymoe.stages.files.loader import open_model, resolve_model_path
 
     modes = parse_modes(args.modes, "--modes")
     reference = parse_modes(args.reference_mode, "--reference-mode") if args.reference_mode is not None else []
@@ -246,7 +246,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from cluster.engine import disconnect_ray
+    from raymoe.cluster.engine import disconnect_ray
 
     try:
         if args.json and not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK):

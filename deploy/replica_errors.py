@@ -13,7 +13,7 @@ import json
 
 from starlette.middleware import Middleware
 
-PROXY_CALLBACK = "deploy.replica_errors.middlewares"
+PROXY_CALLBACK = "raymoe.deploy.replica_errors.middlewares"
 CODE = "replica_unavailable"
 MESSAGE = "the replica serving this request stopped before it finished; retry (new requests go to the others)"
 RETRY_AFTER_S = 1

@@ -3,7 +3,7 @@
 A Responses body becomes a chat body (`input` and `instructions` become messages, function tools and
 `tool_choice` their chat forms, `max_output_tokens` max_completion_tokens, `text.format` response_format,
 `reasoning.effort` reasoning_effort) that deploy/openai_api.py parses as any chat; the answer's pieces
-(reasoning, text, tool calls: stages/reasoning.py, stages/tool_calls.py) become output items:
+(reasoning, text, tool calls: stages/text/reasoning.py, stages/text/tool_calls.py) become output items:
 `reasoning` (its text as `reasoning_text` content), `message` (`output_text`) and `function_call`. A
 stream sends the Responses events (`response.created`, `response.output_item.added`,
 `response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.delta`,
@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import uuid
 
-from deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields, check_result,
+from raymoe.deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields, check_result,
                                parse_chat)
-from stages.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from stages.tool_calls import TOOL_CALLS, tool_calls_reader
+from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
+from raymoe.stages.text.tool_calls import TOOL_CALLS, tool_calls_reader
 
 RESPONSES_FIELDS = IGNORED_FIELDS | {
     "model", "input", "instructions", "reasoning", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

@@ -7,7 +7,7 @@ import os
 import queue
 import threading
 
-from stages.errors import RaymoeError
+from raymoe.stages.errors import RaymoeError
 
 
 def local_jsonl(path: str) -> bool:

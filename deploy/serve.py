@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible HTTP API and the gRPC service of protos/,
 both over one pipeline (a coordinator and its PP stage actors, optionally expert actors).
 
-    python -m deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000] [--api-key KEY]
+    python -m raymoe.deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000] [--api-key KEY]
     serve run deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
@@ -31,11 +31,11 @@ import time
 
 from ray import serve
 
-from cluster.engine_args import add_engine_flags
-from deploy.http_app import _url_host, app_builder, is_loopback
-from deploy.replica_errors import PROXY_CALLBACK
-from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES, ServeArgs
-from stages.errors import RaymoeError
+from raymoe.cluster.engine_args import add_engine_flags
+from raymoe.deploy.http_app import _url_host, app_builder, is_loopback
+from raymoe.deploy.replica_errors import PROXY_CALLBACK
+from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES, ServeArgs
+from raymoe.stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
 # SIGTERM/SIGINT: how long the replica gets to end its requests and stop its engine (RaymoeServer.stop), and
@@ -45,10 +45,10 @@ SERVE_SHUTDOWN_TIMEOUT_S = 6.0
 __all__ = ["app_builder", "ServeArgs", "main"]    # app_builder: `serve run deploy.serve:app_builder`, Serve configs
 
 
-# ---- python -m deploy.serve -------------------------------------------------------------------------
+# ---- python -m raymoe.deploy.serve -------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m deploy.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.deploy.serve", description=__doc__.split("\n\n")[0])
     add_engine_flags(p, ["model"])
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     try:                          # fail fast, before starting anything, on a bad setting or model
-        from stages.chat import load_chat_template
-        from stages.loader import open_model
+        from raymoe.stages.text.chat import load_chat_template
+        from raymoe.stages.files.loader import open_model
         serve_args.validate()
         open_model(args.model).check_tensors()
         # read here, where the path means what the user meant; the replica gets the template's text
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster.engine import connect_ray
+    from raymoe.cluster.engine import connect_ray
     ray_was_up = ray.is_initialized()
     if not (ray_was_up or os.environ.get("RAY_ADDRESS")):
         # the local cluster's HTTP proxy answers for a replica that dies with a 503 (deploy/replica_errors.py)

@@ -13,10 +13,10 @@ import pydantic
 import pydantic_core
 from pydantic import field_validator
 
-from cluster.engine_args import EngineArgs
-from deploy.metrics import ServerMetrics
-from deploy.openai_api import APIError, TokenText, request_error
-from stages.errors import RaymoeError, RequestError
+from raymoe.cluster.engine_args import EngineArgs
+from raymoe.deploy.metrics import ServerMetrics
+from raymoe.deploy.openai_api import APIError, TokenText, request_error
+from raymoe.stages.errors import RaymoeError, RequestError
 
 MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
@@ -126,7 +126,7 @@ class Serving:
     """What the HTTP routes and the gRPC methods share: the engine, tokenizer and metrics."""
 
     def __init__(self, args: ServeArgs):
-        from cluster.engine import ClusterEngine
+        from raymoe.cluster.engine import ClusterEngine
         self.args = args
         self.engine = ClusterEngine(args.engine_args())
         self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
@@ -171,7 +171,7 @@ class Serving:
 
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
         """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""
-        from cluster.engine import QueueFullError
+        from raymoe.cluster.engine import QueueFullError
         if self.stopping:
             raise shutting_down()
         submitting = asyncio.ensure_future(self.engine.submit_async(request_id, engine_request))

@@ -10,7 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def _isolated_cache(tmp_path_factory):
     """Built artefacts (native kernels, benchmark models) go into a per-run cache, never the user's."""
     os.environ["RAYMOE_CACHE"] = str(tmp_path_factory.mktemp("raymoe-cache"))
-    import tools.make_tiny as make_tiny
+    import raymoe.tools.make_tiny as make_tiny
     make_tiny.CACHE_DIR = os.environ["RAYMOE_CACHE"]
 
 

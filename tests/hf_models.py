@@ -159,8 +159,8 @@ def hf_logprobs(model, ids):
 
 def run_one(model_files, prompt, scheduler=None, mode="float32", **params):
     """One request through the in-process engine (greedy, 1 token unless params say otherwise)."""
-    from stages.engine import LocalEngine
-    from stages.sampling import SamplingParams
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.text.sampling_params import SamplingParams
 
     engine = LocalEngine(model_files, mode=mode, scheduler=scheduler)
     seq = engine.add_request("r", prompt, SamplingParams(**{"max_tokens": 1, "temperature": 0, **params}))
@@ -184,8 +184,8 @@ def assert_prompt_logprobs_match(result: dict, ref: torch.Tensor, tol: float):
 
 def assert_greedy_matches(model_files, oracle, prompt: list[int], n_new: int = 24):
     """Greedy continuation of exactly n_new tokens (no stop at end tokens) equals the oracle's."""
-    from stages.engine import LocalEngine
-    from stages.sampling import SamplingParams
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.text.sampling_params import SamplingParams
 
     engine = LocalEngine(model_files, mode="float32")
     engine.eos_ids = set()
@@ -208,14 +208,14 @@ class Oracle:
     prompt: list
 
 
-# family -> (builder, prompt length): one oracle per family in stages.family.families()
+# family -> (builder, prompt length): one oracle per family in raymoe.stages.families.registry.FAMILIES
 ORACLES = {"qwen35moe": (make_qwen35moe, 70), "gptoss": (make_gptoss, 48), "qwen3next": (make_qwen3next, 70)}
 
 
 def build_oracle(family: str, root: str) -> Oracle:
-    from deploy.convert import convert
-    from stages.tokenizer import Tokenizer
-    from tools.tiny_tokenizer import build_tiny_tokenizer
+    from raymoe.deploy.convert import convert
+    from raymoe.stages.text.tokenizer import Tokenizer
+    from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
 
     make, prompt_len = ORACLES[family]
     d = os.path.join(root, family)

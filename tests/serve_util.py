@@ -1,4 +1,4 @@
-"""Helpers of the serving tests: free ports, a `python -m deploy.serve` subprocess, its process tree."""
+"""Helpers of the serving tests: free ports, a `python -m raymoe.deploy.serve` subprocess, its process tree."""
 import http.client
 import json
 import os
@@ -10,7 +10,21 @@ import time
 import urllib.error
 import urllib.request
 
+BIN = os.path.dirname(sys.executable)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen (ports taken one at a time
+    can repeat, and Ray refuses two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def free_port() -> int:
@@ -101,7 +115,7 @@ def still_running(processes: dict[int, int]) -> list[int]:
 
 
 class ServerProcess:
-    """`python -m deploy.serve` in its own session, with its own local Ray cluster."""
+    """`python -m raymoe.deploy.serve` in its own session, with its own local Ray cluster."""
 
     def __init__(self, log_path, *flags, model="tiny-qwen35moe"):
         self.port, self.grpc_port = free_port(), free_port()
@@ -111,7 +125,7 @@ class ServerProcess:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "raymoe.deploy.serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), *flags],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 # kernel each time (its free top passes twice the dynamic mmap threshold), so each round faults them in again.
 ROUNDS = """
 import ctypes, resource, sys
-from kernels.allocator import keep_freed_memory
+from raymoe.kernels.allocator import keep_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-import kernels.deltanet as dn
+import raymoe.kernels.deltanet as dn
 
 # The C computes exp with its own polynomial (torch: Sleef), each within ~1 ulp, and sums vectors
 # in another order than torch's reductions and BLAS: outputs agree to a few float32 ulps of values

@@ -1,6 +1,6 @@
 """The layers import only downwards (kernels -> stages -> cluster -> deploy; tools and tests on top;
-models, the embedded files, from stages up),
-and no module imports itself back through others at import time."""
+models, the embedded files, from stages up), and no module imports itself back through others, counting
+the imports made inside functions. Modules are named as installed, under the raymoe namespace."""
 import ast
 import os
 
@@ -25,24 +25,26 @@ def modules():
                     yield module, path
 
 
-def imports(module: str, path: str, top_level_only: bool) -> set[str]:
-    """The project modules `module` imports (at import time only, when top_level_only)."""
+def imports(module: str, path: str) -> set[str]:
+    """The project modules and names `module` imports, anywhere in it (without the raymoe. prefix)."""
     tree = ast.parse(open(path, encoding="utf-8").read())
     is_package = path.endswith("__init__.py")
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")[:len(module.split(".")) - node.level + is_package]
-                name = ".".join(base + ([node.module] if node.module else []))
+                name = "raymoe." + ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module
             found.add(name)
             found |= {f"{name}.{alias.name}" for alias in node.names}
-    return {n for n in found if n.split(".")[0] in PACKAGES}
+    project = {n.removeprefix("raymoe.") for n in found if n.startswith("raymoe.")}
+    plain = {n for n in found if n.split(".")[0] in PACKAGES}
+    assert not plain, f"{module} imports {sorted(plain)}: the project's modules are imported as raymoe.*"
+    return project
 
 
 MODULES = dict(modules())
@@ -51,12 +53,19 @@ MODULES = dict(modules())
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_go_down_the_layers(module):
     package = module.split(".")[0]
-    above = {n for n in imports(module, MODULES[module], top_level_only=False) if n.split(".")[0] not in ALLOWED[package]}
+    above = {n for n in imports(module, MODULES[module]) if n.split(".")[0] not in ALLOWED[package]}
     assert not above, f"{module} imports {sorted(above)}"
 
 
+def _module_of(name: str) -> str:
+    """The project module that defines `name` (a module, or a name imported from one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
 def test_no_import_circles():
-    graph = {m: {n for n in imports(m, p, top_level_only=True) if n in MODULES and n != m} for m, p in MODULES.items()}
+    graph = {m: {_module_of(n) for n in imports(m, p)} - {m, ""} for m, p in MODULES.items()}
     state, stack = {}, []
 
     def visit(m):
@@ -78,5 +87,17 @@ def test_no_import_circles():
 def test_parsing_engine_flags_does_not_load_ray():
     import subprocess
     import sys
-    code = "import sys, cluster.engine_args; assert 'ray' not in sys.modules, 'ray loaded'"
+    code = "import sys, raymoe.cluster.engine_args; assert 'ray' not in sys.modules, 'ray loaded'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_raymoe_imports_beside_hugging_face_kernels(tmp_path):
+    """The packages live under raymoe: Hugging Face's `kernels` (which transformers >= 5.25 imports) is its own."""
+    import subprocess
+    import sys
+    code = ("import importlib.metadata as md, kernels, transformers, raymoe.kernels.weights\n"
+            "from transformers.integrations import hub_kernels\n"
+            "assert md.version('kernels') and 'site-packages' in kernels.__file__, kernels.__file__\n"
+            "assert raymoe.kernels.__file__.startswith(sys.argv[1]), raymoe.kernels.__file__\n"
+            "assert tuple(map(int, transformers.__version__.split('.')[:2])) >= (5, 25), transformers.__version__\n")
+    subprocess.run([sys.executable, "-c", "import sys\n" + code, ROOT], cwd=tmp_path, check=True)

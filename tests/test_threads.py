@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import pointwise
-from stages.engine import LocalEngine
-from stages.loader import open_model
-from stages.sampling import SamplingParams
-from tools import make_synthetic as ms
+from raymoe.kernels import pointwise
+from raymoe.stages.runtime.engine import LocalEngine
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.text.sampling_params import SamplingParams
+from raymoe.tools import make_synthetic as ms
 
 THREADS = (1, 2, 3)
 PROMPT_LENGTHS = [70, 5, 300, 9, 17, 33, 2, 40, 11, 6, 3, 25]
@@ -77,7 +77,7 @@ def test_full_width_layers_give_the_same_bits_at_any_thread_count(model, tmp_pat
 
 WITHOUT_FEW_ROWS = """
 import json, torch
-from kernels import dense
+from raymoe.kernels import dense
 dense.few_rows = lambda: None           # as on a CPU without AVX-512 VNNI, where that kernel is not built
 from tests.test_threads import generate
 print(json.dumps([generate("tiny-qwen35moe", "float32", n) for n in (2, 1, 2)]))
@@ -109,7 +109,7 @@ def test_large_pointwise_ops_do_not_depend_on_the_thread_count(op, threads):
 
 def test_worker_environment(monkeypatch):
     """With BLAS's own threads, torch's workers sleep at once; otherwise libgomp's defaults stand."""
-    from kernels import threads
+    from raymoe.kernels import threads
     monkeypatch.setattr(threads, "blas_has_own_threads", lambda: False)
     assert threads.process_env(None, "auto") == {}
     assert threads.process_env(2, "auto") == {"OPENBLAS_NUM_THREADS": "2"}
@@ -120,7 +120,7 @@ def test_worker_environment(monkeypatch):
 
 RELEASE_CHECK = """
 import os, time, torch
-from kernels.threads import release_openmp_workers
+from raymoe.kernels.threads import release_openmp_workers
 def os_threads():
     return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(3)

@@ -1,6 +1,6 @@
 """Benchmark: raymoe against its peers on the same model files, and the cluster's scaling.
 
-    python -m tools.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--real-dir DIR]
+    python -m raymoe.tools.bench [--quick] [--repeat N] [--json FILE] [--plot FILE.png] [--real-dir DIR]
                            [--sections engines,pp,hops,coordinator,real]
 
 Builds (once, cached under RAYMOE_CACHE) a synthetic qwen35moe of hidden 1024, 8 layers,
@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from tools.make_tiny import CACHE_DIR, gptoss_config, gptoss_tensors, qwen35moe_config, qwen35moe_tensors
+from raymoe.tools.timing import timed
+from raymoe.tools.make_tiny import CACHE_DIR, gptoss_config, gptoss_tensors, qwen35moe_config, qwen35moe_tensors
 
 QWEN_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
@@ -50,8 +51,8 @@ def build_model(name: str, arch: str, make_config, make_tensors, shape: dict, gg
     """{"hf": dir, "<type>": gguf path} for a bench model, built once and cached."""
     from safetensors.torch import save_file
 
-    from deploy.convert import convert
-    from tools.tiny_tokenizer import build_tiny_tokenizer
+    from raymoe.deploy.convert import convert
+    from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
 
     root = os.path.join(CACHE_DIR, f"bench-{name}-v2")
     hf = os.path.join(root, "hf")
@@ -74,12 +75,6 @@ def build_model(name: str, arch: str, make_config, make_tensors, shape: dict, gg
     return files
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -87,10 +82,10 @@ def random_ids(n: int, seed: int) -> list[int]:
 # ---- engines ---------------------------------------------------------------------------------
 
 def bench_raymoe(path: str, n_prompt: int, n_decode: int, batch: int, mode: str = "float32") -> dict:
-    from stages.engine import LocalEngine
-    from stages.loader import open_model
-    from stages.sampling import SamplingParams
-    from stages.scheduler import Scheduler
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.text.sampling_params import SamplingParams
+    from raymoe.stages.runtime.scheduler import Scheduler
 
     engine = LocalEngine(open_model(path), mode=mode, scheduler=Scheduler(max_batch_tokens=n_prompt,
                                                                   prefill_chunk=n_prompt))
@@ -189,9 +184,9 @@ def run_engine_process(name: str, quick: bool) -> dict | str | None:
     llama-cpp-python is missing."""
     import subprocess
 
-    from kernels.native import blas_has_own_threads
+    from raymoe.kernels.native import blas_has_own_threads
 
-    cmd = [sys.executable, "-m", "tools.bench", "--engine", name] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "raymoe.tools.bench", "--engine", name] + (["--quick"] if quick else [])
     # OpenMP workers spin, which suits a process that has the cores to itself, except where float32
     # products run on BLAS's own threads (kernels/native.py)
     passive = name in FLOAT32_ENGINES and blas_has_own_threads()
@@ -274,7 +269,7 @@ def read_bandwidth_gb_s() -> float:
 
 def bench_pipeline(path: str, quick: bool) -> tuple[dict, dict]:
     """Aggregate decode throughput of PP=1/2/4 with 16 concurrent sequences, and stage memory."""
-    from cluster.engine import ClusterEngine, EngineArgs
+    from raymoe.cluster.engine import ClusterEngine, EngineArgs
 
     n_seqs, n_tokens = 16, (8 if quick else 32)
     requests = [(i, {"prompt_token_ids": random_ids(16, i), "max_tokens": n_tokens, "temperature": 0})
@@ -307,8 +302,8 @@ def bench_coordinator(quick: bool) -> dict:
     """The coordinator's CPU time per step with 64 running sequences on a 248k-token vocabulary (the tiny
     qwen35moe shape, vocabulary padded to Qwen3.5's): what it costs to own the sequences while the last
     stage samples. Greedy and sampled (temperature 1, top-p 0.9)."""
-    from cluster.engine import ClusterEngine, EngineArgs
-    from tools.make_tiny import qwen35moe_config, qwen35moe_tensors
+    from raymoe.cluster.engine import ClusterEngine, EngineArgs
+    from raymoe.tools.make_tiny import qwen35moe_config, qwen35moe_tensors
 
     path = build_model("qwen35moe-248k", "qwen35moe", qwen35moe_config, qwen35moe_tensors,
                        {"vocab_size": 248320}, ["f32"])["f32"]
@@ -337,7 +332,7 @@ def bench_coordinator(quick: bool) -> dict:
 
 
 def bench_hops(quick: bool) -> dict:
-    from tools.hops import measure_hops
+    from raymoe.tools.hops import measure_hops
 
     hidden = QWEN_SHAPE["hidden_size"]
     shapes = {f"decode 1x{hidden}": (1, hidden), f"decode 64x{hidden}": (64, hidden),
@@ -360,7 +355,7 @@ def bench_transports(quick: bool) -> dict:
     weigh most) over each transport, for 1 and 16 sequences; medians of 3 runs after a warm-up."""
     import statistics
 
-    from cluster.engine import ClusterEngine, EngineArgs
+    from raymoe.cluster.engine import ClusterEngine, EngineArgs
 
     n_tokens = 16 if quick else 64
     print(f"\n== transports end to end: PP=2, tiny-qwen35moe, decode tok/s ({n_tokens} tokens per sequence)")
@@ -410,7 +405,7 @@ def plot(report: dict, path: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, numbers are rough)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw throughput against concurrency and PP degree into this PNG")
@@ -429,14 +424,14 @@ def main(argv=None) -> int:
     if "real" in sections:
         if not args.real_dir:
             p.error("section real needs --real-dir (a folder with room for ~28 GB of model files)")
-        from tools.bench_real import bench_real
+        from raymoe.tools.bench_real import bench_real
         report["real"] = bench_real(args.real_dir, args.quick, max(args.repeat, 3))
     if sections & {"engines", "pp", "hops"}:
         print("synthetic qwen35moe: hidden 1024, 8 layers, 32 experts top-4, expert FF 512, vocab 32000")
     if "engines" in sections:
         report["engines"] = bench_engines(args.quick, args.repeat)
     if sections & {"pp", "hops", "coordinator"}:
-        from cluster.engine import connect_ray
+        from raymoe.cluster.engine import connect_ray
         connect_ray(8)
     if "coordinator" in sections:
         report["coordinator"] = bench_coordinator(args.quick)

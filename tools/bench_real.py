@@ -1,16 +1,16 @@
 """The real-size benchmark: the full-size synthetic gpt-oss-20b and Qwen3.5-35B-A3B files of
 tools.make_synthetic, run as their users run them, against llama.cpp as its users get it.
 
-    python -m tools.bench_real --real-dir DIR [--repeat 3] [--quick] [--json FILE]
-    (also: python -m tools.bench --sections real --real-dir DIR)
+    python -m raymoe.tools.bench_real --real-dir DIR [--repeat 3] [--quick] [--json FILE]
+    (also: python -m raymoe.tools.bench --sections real --real-dir DIR)
 
 Every engine runs in a process of its own, in the default environment (nothing set for OpenMP),
 after both files were dropped from the page cache, one engine at a time (a 24 GB machine):
 - llama.cpp (llama-cpp-python, a default `pip install` build) with n_threads = cores, as
   llama-server defaults, and with cores / 2, llama-cpp-python's own default;
-- raymoe in-process (stages.engine.LocalEngine, every core): load, load + the first answer,
+- raymoe in-process (stages.runtime.engine.LocalEngine, every core): load, load + the first answer,
   prefill, batch-1 and 4-sequence decode, peak RSS;
-- raymoe as users run it: `python -m deploy.generate` at its defaults, PP=1 and PP=2, on one
+- raymoe as users run it: `python -m raymoe.deploy.generate` at its defaults, PP=1 and PP=2, on one
   request, and on 4 at once (generate4: the aggregate); decode tok/s = (tokens - requests) / (job time -
   TTFT), from the job's own summary line.
 The rounds (--repeat) run every engine once each (every other round in reverse order, so that a
@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from kernels.threads import node_cores
-from tools.bench import timed
+from raymoe.kernels.threads import node_cores
+from raymoe.tools.timing import timed
 
 REAL_MODELS = ("gpt-oss-20b", "qwen3.5-35b-a3b")
 # deploy.generate's engines: (--pp, requests at once)
@@ -61,7 +61,7 @@ def real_file(model: str, folder: str) -> str:
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
         print(f"writing the full-size {model} file to {path} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", model, "--out", path], check=True)
+        subprocess.run([sys.executable, "-m", "raymoe.tools.make_synthetic", "--model", model, "--out", path], check=True)
     return path
 
 
@@ -132,10 +132,10 @@ def bytes_per_token(path: str) -> int:
 
 def bench_raymoe(path: str, n_prompt: int, n_decode: int) -> dict:
     """Load, prefill, batch-1 and 4-sequence decode in this process (PP=1, `--dtype auto`, every core)."""
-    from stages.engine import LocalEngine
-    from stages.loader import open_model
-    from stages.sampling import SamplingParams
-    from stages.scheduler import Scheduler
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.text.sampling_params import SamplingParams
+    from raymoe.stages.runtime.scheduler import Scheduler
 
     torch.set_num_threads(node_cores())
     start = time.perf_counter()
@@ -189,7 +189,7 @@ SUMMARY = re.compile(r"(\d+) generated tokens in ([\d.]+) s.*TTFT p50 (\d+) ms; 
 
 
 def bench_generate(path: str, n_decode: int, pp: int, sequences: int = 1) -> dict:
-    """`python -m deploy.generate` at its defaults (and --pp) on `sequences` requests of an 8-token prompt
+    """`python -m raymoe.deploy.generate` at its defaults (and --pp) on `sequences` requests of an 8-token prompt
     and n_decode + 1 new tokens each, as a user runs it: its own local Ray cluster, its summary line.
     decode_tok_s counts every sequence's tokens after its first (the requests start together)."""
     with tempfile.TemporaryDirectory() as d:
@@ -199,7 +199,7 @@ def bench_generate(path: str, n_decode: int, pp: int, sequences: int = 1) -> dic
                 f.write(json.dumps({"id": i, "prompt_token_ids": random_ids(8, i), "max_tokens": n_decode + 1,
                                     "temperature": 0, "ignore_eos": True}) + "\n")
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "deploy.generate", "--model", path, "--input", src,
+        proc = subprocess.run([sys.executable, "-m", "raymoe.deploy.generate", "--model", path, "--input", src,
                                "--output", out, "--pp", str(pp)], capture_output=True, text=True)
         wall = time.perf_counter() - start
     match = SUMMARY.search(proc.stderr)
@@ -233,7 +233,7 @@ def run_in_child(engine: str, path: str, folder: str, quick: bool) -> dict | str
         if os.path.exists(cached):
             evict_from_page_cache(cached)
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}     # the default environment
-    cmd = [sys.executable, "-m", "tools.bench_real", "--engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "raymoe.tools.bench_real", "--engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
     result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
@@ -320,7 +320,7 @@ def bench_real(folder: str, quick: bool, repeat: int = 3) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_real", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.bench_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--real-dir", help="folder for the full-size synthetic files (made when missing; ~28 GB)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every engine (default 3)")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, numbers are rough)")

@@ -1,9 +1,9 @@
 """Serving benchmark: streaming completions against the OpenAI-compatible endpoint at 1, 8 and 32
 concurrent clients; prints requests/s, generated tokens/s, and TTFT and inter-token latency p50/p99.
 
-    python -m tools.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
-    python -m tools.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
-    python -m tools.bench_serve --turns 6 --concurrency 8 [--compare-cache]            # multi-turn chats
+    python -m raymoe.tools.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
+    python -m raymoe.tools.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
+    python -m raymoe.tools.bench_serve --turns 6 --concurrency 8 [--compare-cache]            # multi-turn chats
 
 With --turns, each client holds a chat conversation of that many turns over /v1/chat/completions: a shared
 system preamble (--history-words), then its own user messages, each turn sending the whole history back
@@ -165,7 +165,7 @@ def start_local(args, name: str, **overrides) -> str:
     """A local Serve application of the model (Ray started by the caller); returns its URL."""
     from ray import serve
 
-    from deploy.serve import ServeArgs, app_builder
+    from raymoe.deploy.serve import ServeArgs, app_builder
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_builder(ServeArgs.from_flags(args, max_queued=None, grpc_port=0, **overrides)), name=name,
@@ -174,10 +174,10 @@ def start_local(args, name: str, **overrides) -> str:
 
 
 def main(argv=None) -> int:
-    from cluster.engine_args import add_engine_flags
-    from deploy.serve import ServeArgs
+    from raymoe.cluster.engine_args import add_engine_flags
+    from raymoe.deploy.serve import ServeArgs
 
-    p = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.bench_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
     add_engine_flags(p, ["pp", "microbatches", "prefix_cache_gb", "itl_target_ms"], ServeArgs)   # of the local server
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         import ray
         from ray import serve
 
-        from cluster.engine import connect_ray
+        from raymoe.cluster.engine import connect_ray
         connect_ray(args.pp)
         model = args.model
         try:

@@ -1,8 +1,8 @@
 """What structured outputs cost decode: 16 sequences of one chat prompt decoding 64 tokens each in-process
-(stages.engine.LocalEngine), unconstrained (ignore_eos, so every one runs all 64) against constrained by a
+(stages.runtime.engine.LocalEngine), unconstrained (ignore_eos, so every one runs all 64) against constrained by a
 JSON schema that cannot end within 64 tokens (so the batches are the same size), in alternating rounds.
 
-    python -m tools.bench_structured [--model tiny-qwen35moe] [--sequences 16] [--tokens 64] [--rounds 3]
+    python -m raymoe.tools.bench_structured [--model tiny-qwen35moe] [--sequences 16] [--tokens 64] [--rounds 3]
                                      [--mode float32] [--threads 1]
 
 It prints each round's decode tokens per second (of wall time, and of the process's CPU time at the median
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from stages.engine import LocalEngine
-from stages.loader import open_model
-from stages.requests import chat_prompt
-from stages.sampling import SamplingParams
-from stages.structured import output_grammar
+from raymoe.stages.runtime.engine import LocalEngine
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.text.requests import chat_prompt
+from raymoe.stages.text.sampling_params import SamplingParams
+from raymoe.stages.text.structured import output_grammar
 
 # an array of at least 200 short strings: no answer ends within the benchmark's tokens
 LONG = {"type": "array", "minItems": 200, "items": {"type": "string", "maxLength": 12}}

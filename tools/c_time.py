@@ -1,6 +1,6 @@
 """How much of a CPU decode step runs inside the compiled libraries (docs/compiled-step.md).
 
-    python -m tools.c_time --model PATH [--tokens 40] [--sequences 1] [--threads 2] [--mode auto] [--separate]
+    python -m raymoe.tools.c_time --model PATH [--tokens 40] [--sequences 1] [--threads 2] [--mode auto] [--separate]
 
 Every function of the compiled libraries (kernels/csrc) that Python calls is wrapped in a timer; the in-process
 engine then runs `sequences` requests of 8-token prompts and one token each, and the same with `tokens` + 1 tokens
@@ -21,7 +21,7 @@ import torch
 
 def _libraries() -> list:
     """The compiled libraries a step calls into, loaded (and their functions' argument types set)."""
-    from kernels import attention, blocks, deltanet, native, norms, rope, token_calls
+    from raymoe.kernels import attention, blocks, deltanet, native, norms, rope, token_calls
     token_calls.library()
     native.int8_rows()
     native.f32_gemm()
@@ -57,10 +57,10 @@ def wrap_calls(totals: dict, counts: dict):
 def measure(path: str, tokens: int, sequences: int = 1, threads: int = 2, mode: str = "auto",
             separate: bool = False) -> dict:
     """{"step_s": a decode step's time, "calls": {function: (seconds, calls) a step}, "outside_s": the rest}."""
-    from stages.engine import LocalEngine
-    from stages.family import Block
-    from stages.loader import open_model
-    from stages.sampling import SamplingParams
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.layers.block import Block
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.text.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     totals, counts = defaultdict(float), defaultdict(int)
@@ -93,7 +93,7 @@ def measure(path: str, tokens: int, sequences: int = 1, threads: int = 2, mode: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.c_time", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.c_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file or HF folder")
     p.add_argument("--tokens", type=int, default=40, help="decode steps measured (default 40)")
     p.add_argument("--sequences", type=int, default=1, help="sequences decoding together (default 1)")

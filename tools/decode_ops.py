@@ -1,6 +1,6 @@
 """How many torch operations one decode step dispatches, per layer, on the CPU (docs/compiled-step.md).
 
-    python -m tools.decode_ops [--model tiny-qwen35moe] [--mode float32] [--sequences 1] [--compiled]
+    python -m raymoe.tools.decode_ops [--model tiny-qwen35moe] [--mode float32] [--sequences 1] [--compiled]
 
 Prefills `sequences` prompts of 8 tokens, runs one decode step to warm the caches up (the first stacks
 the DeltaNet states), then profiles the next decode step layer by layer with torch.profiler. It prints,
@@ -18,10 +18,10 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.linear import lookup_rows
-from stages.batch import StepBatch, StepContext
-from stages.loader import open_model
-from stages.stage import Stage
+from raymoe.kernels.linear import lookup_rows
+from raymoe.stages.runtime.batch import StepBatch, StepContext
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.stage import Stage
 
 PROMPT = 8
 

@@ -17,7 +17,7 @@ import uuid
 import ray
 import torch
 
-from cluster.shm import SHM_DIR, Ring, unlink
+from raymoe.cluster.shm import SHM_DIR, Ring, unlink
 
 
 @ray.remote(num_cpus=1)

@@ -1,7 +1,7 @@
 """Random GGUFs with the shapes of released models, to measure raymoe and llama.cpp at real size
 without downloading weights.
 
-    python -m tools.make_synthetic --model qwen3.5-35b-a3b|qwen3-next-80b-a3b|gpt-oss-20b --out PATH
+    python -m raymoe.tools.make_synthetic --model qwen3.5-35b-a3b|qwen3-next-80b-a3b|gpt-oss-20b --out PATH
         [--layers N] [--vocab N] [--type T | --mix q3_k_m|q4_k_m|mxfp4] [--seed S] [--dry-run]
 
 Quantised blocks are random bytes whose scale fields are set so that every matrix's elements have a
@@ -26,8 +26,8 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, LlamaFileType as FT
 
-from stages import gptoss, qwen35moe, qwen3next
-from stages.family import Family, global_tensor_shapes
+from raymoe.stages.families import gptoss, qwen35moe, qwen3next
+from raymoe.stages.families.contract import Family, global_tensor_shapes
 
 CHUNK_BYTES = 32 << 20      # bytes generated and written at a time
 
@@ -280,8 +280,8 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
 
 def synthetic_tokenizer(family: str):
     """The tiny test tokenizer of `family`, with its special tokens and chat template."""
-    from tools.tiny_tokenizer import CONFIGS, train_tokenizer
-    from stages.tokenizer import Tokenizer
+    from raymoe.tools.tiny_tokenizer import CONFIGS, train_tokenizer
+    from raymoe.stages.text.tokenizer import Tokenizer
 
     backend = train_tokenizer(family)
     conf = CONFIGS[family]
@@ -299,8 +299,8 @@ def _padded(n: int) -> int:
 
 def _start_file(path: str, model: str, family: Family, cfg, plan, tokenizer, file_type: int, seed: int):
     """A GGUFWriter on `path` with header, metadata and tensor table written; the data comes next."""
-    from deploy.convert import _add_metadata
-    from stages.tokenizer import write_tokenizer_to_gguf
+    from raymoe.deploy.convert import _add_metadata
+    from raymoe.stages.text.tokenizer import write_tokenizer_to_gguf
 
     writer = gguf.GGUFWriter(path, family.arch)
     writer.add_name(f"{model} (synthetic)")
@@ -382,7 +382,7 @@ def _bounded_int(low: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic",
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.make_synthetic",
                                 description="write a random GGUF with the shapes of a released model")
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--out", help="output GGUF path (not needed with --dry-run)")

@@ -1,6 +1,6 @@
 """Deterministic tiny random models: an HF directory and its GGUF, written without transformers.
 
-    python -m tools.make_tiny --arch qwen35moe|gptoss --out DIR
+    python -m raymoe.tools.make_tiny --arch qwen35moe|gptoss --out DIR
 
 DIR/hf holds config.json, model.safetensors and the tokenizer; DIR/<name>.gguf is the same
 model through deploy.convert. The tests build their oracle models with it; the embedded default
@@ -141,9 +141,9 @@ def make_tiny(arch: str, out_dir: str, seed: int = 0, gguf_type: str = "f32") ->
     """Write DIR/hf and DIR/tiny-<arch>.gguf; returns the GGUF path."""
     from safetensors.torch import save_file
 
-    from deploy.convert import convert
-    from tools.tiny_tokenizer import build_tiny_tokenizer
-    from stages.tokenizer import Tokenizer
+    from raymoe.deploy.convert import convert
+    from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
+    from raymoe.stages.text.tokenizer import Tokenizer
 
     make_config, make_tensors = ARCHS[arch]
     hf_dir = os.path.join(out_dir, "hf")
@@ -157,7 +157,7 @@ def make_tiny(arch: str, out_dir: str, seed: int = 0, gguf_type: str = "f32") ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.make_tiny", description="write a tiny random model")
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.make_tiny", description="write a tiny random model")
     p.add_argument("--arch", required=True, choices=sorted(ARCHS))
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -2,9 +2,9 @@
 requests, streams dropped at random points, and processes killed (SIGKILL) under load: stage actors, a
 coordinator and an ingress replica (the server runs 2 replicas).
 
-    python -m tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--replicas 2] [--json FILE]
+    python -m raymoe.tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--replicas 2] [--json FILE]
                          [--kills stage,coordinator,replica,stage]
-    python -m tools.soak --url http://127.0.0.1:8000 [--server-pid PID] [--api-key KEY]   # a running server
+    python -m raymoe.tools.soak --url http://127.0.0.1:8000 [--server-pid PID] [--api-key KEY]   # a running server
 
 It starts `deploy.serve` on 127.0.0.1 (with an API key, so that auth is exercised) unless --url is
 given, sends traffic for a warm-up tenth of --minutes and then the rest, and stops itself and the
@@ -35,8 +35,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES   # the server's limits, probed here
-from stages.sampling import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES   # the server's limits, probed here
+from raymoe.stages.text.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS, MAX_STOPS
 
 RSS_LIMIT = 0.10
 REQUEST_TIMEOUT = 120.0
@@ -601,7 +601,7 @@ def start_server(args, log) -> subprocess.Popen:
     env = {**os.environ, "RAYMOE_API_KEY": args.api_key}     # not on the command line
     env.pop("RAY_ADDRESS", None)                             # a cluster of its own, stopped with it
     return subprocess.Popen(
-        [sys.executable, "-m", "deploy.serve", "--model", args.model, "--pp", str(args.pp),
+        [sys.executable, "-m", "raymoe.deploy.serve", "--model", args.model, "--pp", str(args.pp),
          "--replicas", str(args.replicas), "--host", "127.0.0.1",
          "--port", str(args.port), "--grpc-port", "0", "--max-body-bytes", str(args.max_body_bytes)],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env, stdout=log,
@@ -654,7 +654,7 @@ def kill_list(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10, help="traffic time, warm-up (a tenth) included")
     p.add_argument("--model", default="tiny-qwen35moe")
     p.add_argument("--pp", type=int, default=2)

@@ -12,17 +12,17 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from stages.errors import RaymoeError
-from stages.tokenizer import GPT4O_SPLIT
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.text.tokenizer import GPT4O_SPLIT
 
-# Qwen3.5's tokenizer.json spelling; llama.cpp's qwen35 regex (stages.tokenizer.QWEN35_SPLIT) writes the
+# Qwen3.5's tokenizer.json spelling; llama.cpp's qwen35 regex (stages.text.tokenizer.QWEN35_SPLIT) writes the
 # contractions as character classes instead of (?i:) and splits the same text.
 QWEN35_HF_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen2/Qwen3/Qwen3-Next's tokenizer.json spelling of llama.cpp's qwen2 regex (stages.tokenizer.QWEN2_SPLIT).
+# Qwen2/Qwen3/Qwen3-Next's tokenizer.json spelling of llama.cpp's qwen2 regex (stages.text.tokenizer.QWEN2_SPLIT).
 QWEN2_HF_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

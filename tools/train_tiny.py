@@ -1,7 +1,7 @@
 """Train the embedded default models (tiny-qwen35moe, tiny-gptoss) on CPU and write them as GGUF.
 
     apt-get download python3.11-doc && dpkg-deb -x python3.11-doc_*.deb /tmp/pydoc
-    python -m tools.train_tiny --docs /tmp/pydoc/usr/share/doc/python3.11/html/_sources --out models
+    python -m raymoe.tools.train_tiny --docs /tmp/pydoc/usr/share/doc/python3.11/html/_sources --out models
 
 The corpus is the English prose of the Python 3.11 documentation as Debian ships it (docs/tiny-models.md
 says exactly which files and how they are cleaned). Every 20th paragraph is held out; the tokenizer and
@@ -117,7 +117,7 @@ def qwen35moe_model(vocab: int):
     """Qwen3.5-MoE: Gated DeltaNet layers with full attention every 4th layer, routed + shared experts."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from tools.make_tiny import qwen35moe_config
+    from raymoe.tools.make_tiny import qwen35moe_config
 
     cfg = {k: v for k, v in qwen35moe_config(vocab).items() if k not in ("architectures", "torch_dtype")}
     cfg.update(SMALLER, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(4)])
@@ -128,7 +128,7 @@ def gptoss_model(vocab: int):
     """gpt-oss: attention sinks, sliding window on every other layer, YaRN; experts become MXFP4 at export."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from tools.make_tiny import gptoss_config
+    from raymoe.tools.make_tiny import gptoss_config
 
     cfg = {k: v for k, v in gptoss_config(vocab).items()
            if k not in ("architectures", "torch_dtype", "quantization_config", "rope_scaling", "rope_theta")}
@@ -211,9 +211,9 @@ def hf_perplexity(model, chunks: list[list[int]]) -> float:
 
 def raymoe_perplexity(gguf_path: str, chunks: list[list[int]]) -> float:
     """The same measure from raymoe's engine on the GGUF (exact float32 mode), via prompt logprobs."""
-    from stages.engine import LocalEngine
-    from stages.loader import open_model
-    from stages.sampling import SamplingParams
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.text.sampling_params import SamplingParams
 
     engine = LocalEngine(open_model(gguf_path), mode="float32")
     seqs = [engine.add_request(f"c{i}", c, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
@@ -267,8 +267,8 @@ PROMPTS = ["The Python interpreter", "A list is", "When an exception is raised,"
 def run_family(family: str, train_paras, held_out, out_dir: str, work: str, steps: int, lr: float) -> dict:
     from tokenizers import Tokenizer
 
-    from deploy.convert import convert
-    from tools.tiny_tokenizer import build_tiny_tokenizer
+    from raymoe.deploy.convert import convert
+    from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
 
     def log(msg):
         print(f"[{family}] {msg}", file=sys.stderr, flush=True)
@@ -301,7 +301,7 @@ def run_family(family: str, train_paras, held_out, out_dir: str, work: str, step
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.train_tiny", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raymoe.tools.train_tiny", description=__doc__.split("\n")[0])
     p.add_argument("--docs", required=True, help=f"the html/_sources folder of {CORPUS_PACKAGE} {CORPUS_VERSION}")
     p.add_argument("--out", default="models", help="folder for tiny-<family>.gguf")
     p.add_argument("--work", default="/tmp/raymoe-train-tiny", help="folder for the HF checkpoints")

@@ -4,7 +4,7 @@ outputs()   both embedded models on --device cuda against the CPU (float32 mode 
             arithmetic up to summation order): 32 greedy tokens for a batch of prompts must be the same
             tokens, their logprobs within LOGPROB_BOUND; and the GPU at PP=2 and PP=4 (stages in one
             process, on one device) must give the GPU's PP=1 results exactly.
-graphs()    decode steps replayed as CUDA graphs against eager steps (stages/decode_graph.py).
+graphs()    decode steps replayed as CUDA graphs against eager steps (stages/runtime/decode_graph.py).
 decode()    a full-size synthetic file (tools.make_synthetic) on the GPU: load time, batch-1 decode
             tok/s eager and with CUDA graphs, and the weight bytes it reads per second against the
             device's peak (the roofline: bytes read per token / bandwidth), where a step's time goes, and
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from kernels import gpu_ops
-from stages import decode_graph
-from stages.engine import LocalEngine
-from stages.loader import open_model
-from stages.sampling import SamplingParams
+from raymoe.kernels import gpu_ops
+from raymoe.stages.runtime import decode_graph
+from raymoe.stages.runtime.engine import LocalEngine
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.text.sampling_params import SamplingParams
 
 # Summation order differs (cuBLAS and the Triton kernels against the CPU kernels) in float32; a logprob
 # is a difference of logits of size ~10 built from sums of thousands of terms: 1e-6 relative error per
@@ -135,7 +135,7 @@ def _host_breakdown(engine, steps: int = 32) -> str:
     """Where a decode step's wall time goes: engine.step, the stages' forward in it (which waits for the
     GPU when it copies the logits), the graph runner's call in that (host work and launches: it does not
     wait) and the sampling."""
-    import stages.stage as stage_module
+    import raymoe.stages.runtime.stage as stage_module
 
     spent = {"step": 0.0, "forward": 0.0, "graphs": 0.0, "sampling": 0.0}
 
@@ -247,7 +247,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "tools.make_synthetic", "--model", model, "--out", path], check=True,
+        subprocess.run([sys.executable, "-m", "raymoe.tools.make_synthetic", "--model", model, "--out", path], check=True,
                        stdout=subprocess.DEVNULL)
         print(f"  wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
     files = open_model(path, max_model_len=4096)
@@ -281,7 +281,7 @@ def decode(model: str, peak_gb_s: float | None, folder: str = "/tmp") -> int:
     graph_ms = _graph_ms(engine)
     print(f"  the layers' graph replayed alone: {graph_ms:.2f} ms a step ({1000 / graph_ms:.0f} steps/s); the rest "
           f"of a step above is the host's (embedding, LM head, sampling, the engine)", flush=True)
-    from kernels.triton import blocks
+    from raymoe.kernels.triton import blocks
 
     default_sorted = blocks.SORTED_SLOTS
     try:
@@ -334,8 +334,8 @@ def _churn(engine, prompt, n: int = 48, running: int = 16) -> str:
 
 def _stage_process(model: str, layers: tuple[int, int], requests, replies):
     """A second stage in its own process: its input arrives through the CUDA IPC ring."""
-    from tools.cuda_ipc import IpcReader
-    from stages.stage import Stage
+    from raymoe.tools.cuda_ipc import IpcReader
+    from raymoe.stages.runtime.stage import Stage
 
     stage = Stage(open_model(model), range(*layers), "float32", device="cuda")
     reader = None
@@ -367,9 +367,9 @@ class IpcPipeline:
     def __init__(self, files, engine_core):
         import torch.multiprocessing as mp
 
-        from tools.cuda_ipc import IpcRing
-        from stages.engine import split_layers
-        from stages.stage import Stage
+        from raymoe.tools.cuda_ipc import IpcRing
+        from raymoe.stages.runtime.engine import split_layers
+        from raymoe.stages.runtime.stage import Stage
 
         first, second = split_layers(files.n_layers, 2)
         self.core, self.stage = engine_core, Stage(files, first, "float32", device="cuda")
@@ -413,7 +413,7 @@ class IpcPipeline:
 def ipc() -> int:
     """PP=2 across two processes on one GPU through CUDA IPC: outputs equal the one-process GPU PP=1
     outputs exactly; and the hop's cost against the queue alone and against staging through the host."""
-    from stages.engine import EngineCore
+    from raymoe.stages.runtime.engine import EngineCore
 
     failures = 0
     for name in ("tiny-qwen35moe", "tiny-gptoss"):

@@ -43,7 +43,7 @@ if "--record" not in sys.argv:      # compile for real: the interpreter must be 
 # setting the default silences Triton 3.9's warning that it will change
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]
+sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "gpu")]   # raymoe itself: installed
 
 import torch  # noqa: E402
 
@@ -123,7 +123,7 @@ def bandwidth() -> None:
     from gguf import GGMLQuantizationType as T
     from triton_cases import random_blocks
 
-    from kernels.triton import blocks
+    from raymoe.kernels.triton import blocks
 
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_GB_S.items() if k in name), None)

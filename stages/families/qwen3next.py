@@ -1,0 +1,110 @@
+"""Qwen3-Next (GGUF arch `qwen3next`): Gated DeltaNet layers, every Nth layer gated full attention,
+routed + shared-expert MoE; Qwen3.5-MoE's parent, with these differences (transformers' modeling_qwen3_next
+against modeling_qwen3_5_moe, llama.cpp's qwen3next against qwen35moe; docs/model-formats.md §7):
+- the DeltaNet input projections: HF fuses q, k, v, z per K head (`in_proj_qkvz`) and b, a per K head
+  (`in_proj_ba`); llama.cpp's files hold `attn_qkv` + `attn_gate` and that `ssm_ba` as it is, with V heads
+  in HF's grouped order (stages/layers/deltanet.py, `grouped`), where qwen35moe tiles them;
+- plain partial RoPE (`rope.dimension_count`), no multi-section RoPE;
+- the router's renormalisation of the top k is a config switch (`norm_topk_prob`), and transformers can make
+  some layers dense (`mlp_only_layers`, `decoder_sparse_step`); llama.cpp's qwen3next does neither, so
+  checkpoints that use them are refused;
+- everything else is Qwen3.5-MoE's: (1 + w) RMSNorm (GGUF bakes the +1 in, but not into the DeltaNet output
+  norm), gated attention with q/k norms, the sigmoid-gated shared expert, softmax top-k routing.
+`qwen3next_hf.py` maps an HF checkpoint onto llama.cpp's conventions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raymoe.kernels.moe import route_softmax_topk
+from raymoe.kernels.rope import inv_frequencies
+
+from raymoe.stages.layers import deltanet
+from raymoe.stages.layers.attention import AttentionSpec
+from raymoe.stages.layers.deltanet import DeltaNetConfig, DeltaNetSpec
+from raymoe.stages.errors import ModelFormatError
+from raymoe.stages.families.contract import Family, fields_from_gguf
+from raymoe.stages.files.gguf_file import arch_key_reader
+from raymoe.stages.layers.moe import MoESpec
+from raymoe.stages.families.qwen3next_hf import Qwen3NextHFWeights
+from raymoe.stages.files.safetensors_dir import hf_key_reader
+
+ARCH = "qwen3next"
+TOKENIZER_PRE = "qwen2"
+
+
+@dataclass
+class Qwen3NextConfig(DeltaNetConfig):
+    arch: str = ARCH
+
+    POSITIVE = DeltaNetConfig.POSITIVE + ("shared_ff",)
+
+
+def config_from_gguf(meta: dict, where: str) -> Qwen3NextConfig:
+    key = arch_key_reader(meta, ARCH, where)
+    cfg = Qwen3NextConfig(
+        **fields_from_gguf(meta, key), **deltanet.fields_from_gguf(key), n_layers=key("block_count"),
+        expert_ff=key("expert_feed_forward_length"), shared_ff=key("expert_shared_feed_forward_length"),
+        rope_dim=key("rope.dimension_count"), full_attention_interval=key("full_attention_interval", 4))
+    cfg.validate(where)
+    return cfg
+
+
+def config_from_hf(hf: dict, where: str) -> Qwen3NextConfig:
+    key = hf_key_reader(hf, where)
+    # transformers v5 writes `rope_parameters`; v4 (the released config.json) the values beside the rest
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ModelFormatError(f"{where}: unsupported rope_type {rope.get('rope_type', rope.get('type'))!r} "
+                               f"(supported: default)")
+    refused = {"attention_bias": hf.get("attention_bias", False),
+               "norm_topk_prob false": not hf.get("norm_topk_prob", True),
+               "mlp_only_layers": hf.get("mlp_only_layers"),
+               "decoder_sparse_step": hf.get("decoder_sparse_step", 1) != 1}
+    for what, present in refused.items():
+        if present:
+            raise ModelFormatError(f"{where}: Qwen3-Next with {what} is not supported (llama.cpp's qwen3next "
+                                   f"has no such option)")
+    n_layers = key("num_hidden_layers")
+    head_dim = hf.get("head_dim") or key("hidden_size") // key("num_attention_heads")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    cfg = Qwen3NextConfig(
+        n_layers=n_layers, hidden=key("hidden_size"), vocab=key("vocab_size"), n_head=key("num_attention_heads"),
+        n_kv_head=key("num_key_value_heads"), head_dim=head_dim, rms_eps=float(key("rms_norm_eps")),
+        rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_dim=int(head_dim * partial),
+        n_expert=key("num_experts"), n_expert_used=key("num_experts_per_tok"), expert_ff=key("moe_intermediate_size"),
+        shared_ff=key("shared_expert_intermediate_size"), **deltanet.fields_from_hf(key),
+        full_attention_interval=deltanet.hf_full_attention_interval(hf, n_layers, where),
+        context_length=hf.get("max_position_embeddings", 32768))
+    cfg.validate(where)
+    return cfg
+
+
+def deltanet_spec(cfg: Qwen3NextConfig) -> DeltaNetSpec:
+    return DeltaNetSpec(cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv_kernel, grouped=True)
+
+
+def layer_mixer(cfg: Qwen3NextConfig, i: int):
+    """Every `full_attention_interval`-th layer gated attention, the others Gated DeltaNet."""
+    if (i + 1) % cfg.full_attention_interval == 0:
+        return AttentionSpec(cfg.n_head, cfg.n_kv_head, cfg.head_dim, qk_norm=True, output_gate=True)
+    return deltanet_spec(cfg)
+
+
+def rope(cfg: Qwen3NextConfig):
+    return inv_frequencies(cfg.rope_base, cfg.rope_dim), 1.0
+
+
+def moe_spec(cfg: Qwen3NextConfig) -> MoESpec:
+    return MoESpec(cfg.n_expert, cfg.n_expert_used, cfg.expert_ff, route_softmax_topk, shared_ff=cfg.shared_ff)
+
+
+def gguf_metadata(cfg: Qwen3NextConfig) -> dict:
+    """The `qwen3next.*` GGUF keys for cfg (the inverse of config_from_gguf)."""
+    return {**cfg.gguf_metadata(), **deltanet.gguf_metadata(deltanet_spec(cfg)), "rope.dimension_count": cfg.rope_dim,
+            "expert_shared_feed_forward_length": cfg.shared_ff, "full_attention_interval": cfg.full_attention_interval}
+
+
+FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_next",), tokenizer_pre=TOKENIZER_PRE,
+                config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
+                hf_weights=Qwen3NextHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)

@@ -1,0 +1,1 @@
+"""The layers' parts: attention, Gated DeltaNet, the MoE feed-forward, their caches, the pre-norm block."""
