@@ -9,11 +9,14 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from . import native, ops
+from . import native
 from .gpu_ops import use_triton
+from .ops import custom_op
 
 # Up to this many query rows (decode), one call of the compiled kernel replaces the dozen torch
 # operations below; more rows (prefill) go to torch's matrix products.
@@ -55,12 +58,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     Query head h reads KV head h // (Hq / Hkv). A key is visible when k_pos <= q_pos and,
     with a window, k_pos > q_pos - window. On CUDA the Triton kernel (kernels/gpu_ops.py) takes head sizes
     its tiles fit (a power of two, at least 16). That kernel, and the CPU's for a few query rows, run as
-    the custom op raymoe::attention (kernels/ops.py), which torch.compile traces as one call.
+    the custom op raymoe::attention (attention_op below), which torch.compile traces as one call.
     """
     d = q.shape[-1]
     triton = use_triton("attention", q) and q.dtype == torch.float32 and d >= 16 and d & (d - 1) == 0
     if triton or (not q.is_cuda and q.shape[0] <= FEW_QUERIES):
-        return ops.attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+        return attention_op(q, k, v, q_pos, k_pos, scale, window, sinks)
     return torch_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
 
 
@@ -68,6 +71,25 @@ def cpu_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None) -> torc
     """The CPU's: the compiled kernel for a few query rows, torch's products otherwise."""
     few = _few_rows(q, k, v, q_pos, k_pos, scale, window, sinks)
     return few if few is not None else torch_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+
+
+@custom_op("attention")
+def attention_op(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window: Optional[int],
+                 sinks: Optional[Tensor]) -> Tensor:
+    """`attention` as a custom op (kernels/ops.py): q [Tq, Hq, D] over k/v [Tk, Hkv, D] at positions q_pos [Tq],
+    k_pos [Tk] -> [Tq, Hq, D]."""
+    return cpu_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+
+
+@attention_op.register_kernel("cuda")
+def _(q, k, v, q_pos, k_pos, scale, window, sinks):
+    from .triton.attention import attention as run     # on first use: triton is optional where only the CPU runs
+    return run(q, k, v, q_pos, k_pos, scale, window, sinks)
+
+
+@attention_op.register_fake
+def _(q, k, v, q_pos, k_pos, scale, window, sinks):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
 def torch_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None) -> torch.Tensor:

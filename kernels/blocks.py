@@ -8,8 +8,8 @@ weights stay in the bytes the GGUF file stores and are unpacked in cache, row by
                         times tiles of unpacked weight rows, summed in integers
     many_rows_product   many activation rows in exact mode: tiles of dequantised rows times sgemm
     slot_product        grouped_product for a decode step's (token, expert) slots, one row each
-    moe_combine         the routed slots' weighted sum plus the gated shared expert (ops.moe_combine)
-    moe_token           one token's MoE layer after its router, in one call (ops.moe_token): the
+    moe_combine         the routed slots' weighted sum plus the gated shared expert (moe.moe_combine_op)
+    moe_token           one token's MoE layer after its router, in one call (moe.moe_token_op): the
                         experts' gate/up products, their activation, down products and that sum
 
 The library is built by kernels/native.py's machinery for this machine's CPU (AVX-512 VNNI and
@@ -26,10 +26,11 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels import native
+from raymoe.kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def slot_product(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, exp
 
 def moe_combine(lib: ctypes.CDLL, rows: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | None,
                 shared: torch.Tensor | None, out: torch.Tensor) -> None:
-    """ops.moe_combine's CPU call: rows [T*k, H], weights [T, k], shared and out [T, H] contiguous float32;
+    """kernels.moe.moe_combine_op's CPU call: rows [T*k, H], weights [T, k], shared and out [T, H] contiguous float32;
     gate [T, 1] (any row stride) with shared, or neither."""
     T, k = weights.shape
     h = rows.shape[-1]
@@ -293,7 +294,7 @@ def _moe_weight(raw: torch.Tensor, raw2: torch.Tensor | None, ggml_type: int, k:
 def moe_token(x: torch.Tensor, experts: list[int], weights: torch.Tensor, gate_up: tuple, down: tuple,
               activation: tuple[int, int, float, float], shared_gate_up: torch.Tensor | None,
               shared_down: tuple | None, gate: torch.Tensor | None) -> torch.Tensor:
-    """ops.moe_token's CPU call (see there): one token's k slots, k <= 64. gate_up: (raw [E, F, bytes], raw2
+    """kernels.moe.moe_token_op's CPU call (see there): one token's k slots, k <= 64. gate_up: (raw [E, F, bytes], raw2
     [E, F, bytes] or None, type, quantize, bias [E, 2F] or None); down: (raw [E, H, bytes], type, quantize,
     bias [E, H] or None); activation: (kind, exp kind, alpha, limit) as blocks.c's raymoe_moe_activation takes them;
     shared_down: (raw [H, bytes], type, quantize) with shared_gate_up [1, 2S] and gate [1, 1], or all None."""
@@ -457,8 +458,6 @@ def benchmark(megabytes: int = 1024, threads: int = 2, repeats: int = 5) -> dict
     MB per type (Q8_0, MXFP4, Q3_K, Q4_K, Q6_K), and by numpy's float32 matrix-vector product, best of
     `repeats`; printed and returned. A weight of 256 MB or less gave rates past the memory's on a 2-core
     EPYC VM with 32 MB of L3 (Q6_K 46 GB/s where 1 GB gave 30): measure from memory with 1 GB."""
-    import numpy as np
-
     torch.set_num_threads(threads)
     k = 4096
     results = {}

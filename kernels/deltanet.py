@@ -15,7 +15,7 @@ call each; `library()` is None without a compiler (or with RAYMOE_NATIVE=0), and
 computes them (the chunked form also when numpy's BLAS is not scipy-openblas). On CUDA the Triton kernels
 (kernels/triton/deltanet.py: same contracts; kernels/gpu_ops.py) take the head sizes they fit
 (powers of two; the chunked form needs them and the chunk at least 16). The kernels are also torch custom
-ops (kernels/ops.py), so that torch.compile traces `GatedDeltaNet.decode_all` whole.
+ops (the `*_op` at the end, kernels/ops.py), so that torch.compile traces `GatedDeltaNet.decode_all` whole.
 """
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from . import native, ops
+from . import native
 from .gpu_ops import use_triton
 from .norms import gated_rms_norm
+from .ops import custom_op
 from .pointwise import sigmoid, silu, softplus
+# kernels/triton is imported inside the GPU paths, on first use: triton is optional where only the CPU runs
 
 
 SOURCE = Path(__file__).parent / "csrc" / "deltanet.c"
@@ -77,7 +80,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     Returns (y [..., T, C], new_state [..., K-1, C]).
     """
     if use_triton("conv1d", x) and x.dtype == torch.float32:
-        return ops.causal_conv1d(x, weight.float(), state.float())
+        return causal_conv1d_op(x, weight.float(), state.float())
     return cpu_causal_conv1d(x, weight, state)
 
 
@@ -115,7 +118,7 @@ def delta_rule_step(q, k, v, g, beta, state):
     written twice per token rather than materialising the outer product.
     """
     if _gpu("delta_step", q, v, state):
-        return ops.delta_rule_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
+        return delta_rule_step_op(q.float(), k.float(), v.float(), g.float(), beta.float(), state)
     return torch_delta_rule_step(q, k, v, g, beta, state)
 
 
@@ -304,9 +307,9 @@ class GatedDeltaNet:
             all(n & (n - 1) == 0 for n in (self.k_head_dim, self.v_head_dim))
         if qkv.is_cuda and not triton:
             return self._decode_torch(qkv, z, beta, alpha, conv_states, states)
-        return ops.deltanet_decode(qkv, z, beta, alpha, conv_states, states, self.conv, self.taps, self.a,
-                                   self.dt_bias, self.norm, self.eps, self.n_k_heads, self.n_v_heads, self.k_head_dim,
-                                   self.v_head_dim)
+        return deltanet_decode_op(qkv, z, beta, alpha, conv_states, states, self.conv, self.taps, self.a,
+                                  self.dt_bias, self.norm, self.eps, self.n_k_heads, self.n_v_heads, self.k_head_dim,
+                                  self.v_head_dim)
 
     def decode_rows(self, qkv, z, beta, alpha, conv_states, states) -> torch.Tensor:
         """decode() of every row into a new out projection input [n, H_v * dv] (the op's CPU implementation)."""
@@ -333,3 +336,69 @@ def _same_rows(parts) -> bool:
     """Column slices of one [n, *] matrix (the stacked projections): one row stride, contiguous rows."""
     return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == parts[0].stride(0) for t in parts)
 
+
+# ---- the custom ops (kernels/ops.py) ------------------------------------------------------------------
+
+@custom_op("causal_conv1d")
+def causal_conv1d_op(x: Tensor, weight: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv + SiLU: x [..., T, C], weight [C, K], state [..., K-1, C] -> (y, new state)."""
+    return cpu_causal_conv1d(x, weight, state)
+
+
+@causal_conv1d_op.register_kernel("cuda")
+def _(x, weight, state):
+    from .triton import deltanet as gpu
+    return gpu.causal_conv1d(x, weight, state)
+
+
+@causal_conv1d_op.register_fake
+def _(x, weight, state):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(state)
+
+
+@custom_op("delta_rule_step", mutates=("state",))
+def delta_rule_step_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """One token of the gated delta rule: q (scaled) / k [..., dk], v [..., dv], g / beta [...], state
+    [..., dk, dv] float32 contiguous, updated in place -> y [..., dv]."""
+    return torch_delta_rule_step(q, k, v, g, beta, state)
+
+
+@delta_rule_step_op.register_kernel("cuda")
+def _(q, k, v, g, beta, state):
+    from .triton import deltanet as gpu
+    return gpu.delta_rule_step(q, k, v, g, beta, state)
+
+
+@delta_rule_step_op.register_fake
+def _(q, k, v, g, beta, state):
+    return v.new_empty(v.shape, dtype=torch.float32)
+
+
+@custom_op("deltanet_decode", mutates=("conv_states", "states"))
+def deltanet_decode_op(qkv: Tensor, z: Tensor, beta: Tensor, alpha: Tensor, conv_states: Tensor, states: Tensor,
+                       conv: Tensor, taps: Tensor, a: Tensor, dt_bias: Tensor, norm: Tensor, eps: float,
+                       n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int) -> Tensor:
+    """One token of each of n sequences through a DeltaNet layer, from its input projections (qkv [n, C],
+    z [n, H_v * dv], beta and alpha [n, H_v]) to its out projection's input [n, H_v * dv]; the caches
+    conv_states [n, K-1, C] and states [n, H_v, dk, dv] are updated in place."""
+    net = GatedDeltaNet(conv, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim, v_head_dim, taps)
+    return net.decode_rows(qkv, z, beta, alpha, conv_states, states)
+
+
+@deltanet_decode_op.register_kernel("cuda")
+def _(qkv, z, beta, alpha, conv_states, states, conv, taps, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim,
+      v_head_dim):
+    from .triton import deltanet as gpu, norms as gpu_norms
+    net = GatedDeltaNet(conv, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim, v_head_dim, taps)
+    g, b = net.gates(beta, alpha)
+    mixed, new_conv = gpu.causal_conv1d(qkv[:, None], conv, conv_states)
+    conv_states.copy_(new_conv)
+    q, k, v = net.heads(mixed[:, 0])
+    y = gpu.delta_rule_step((q * k_head_dim ** -0.5).contiguous(), k.contiguous(), v.contiguous(), g, b, states)
+    return gpu_norms.rms_norm(y, norm, eps, z.reshape(y.shape).contiguous()).reshape(qkv.shape[0], -1)
+
+
+@deltanet_decode_op.register_fake
+def _(qkv, z, beta, alpha, conv_states, states, conv, taps, a, dt_bias, norm, eps, n_k_heads, n_v_heads, k_head_dim,
+      v_head_dim):
+    return qkv.new_empty(qkv.shape[0], n_v_heads * v_head_dim)

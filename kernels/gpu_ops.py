@@ -8,7 +8,7 @@ import os
 
 import torch
 
-# Decode steps replayed as CUDA graphs (stages/decode_graph.py); RAYMOE_CUDA_GRAPHS=0 runs them eagerly.
+# Decode steps replayed as CUDA graphs (stages/runtime/decode_graph.py); RAYMOE_CUDA_GRAPHS=0 runs them eagerly.
 CUDA_GRAPHS = os.environ.get("RAYMOE_CUDA_GRAPHS", "1") != "0"
 ALL_OPS = {"delta_rule", "attention", "conv1d", "delta_step", "rms_norm", "rope", "routing"}
 # Measured on an H200 (tests/gpu/run.py, batch-1 decode of the full-size synthetic files, 2026-12-04, one

@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from . import ops
 from .dense import FEW_ROWS, group_table
+from .grouping import empty_slots, slot_products
 from .native import int8_rows
+from .ops import custom_op
 from .weights import join_tensors
 
 K_MULTIPLE = 16
@@ -58,10 +60,10 @@ class Int8Weight:
         return out.copy_(y)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.int8_linear(x, self.q, self.scale)
+        return int8_linear_op(x, self.q, self.scale)
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.int8_slots(x, ids, self.q, self.scale)
+        return int8_slots_op(x, ids, self.q, self.scale)
 
     def grouped(self, x: torch.Tensor, groups: list[tuple[int, int, int]], out: torch.Tensor) -> torch.Tensor:
         few = [g for g in groups if g[2] - g[1] <= FEW_ROWS]
@@ -101,3 +103,27 @@ def quantize_rows(w: torch.Tensor) -> Int8Weight | None:
     scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16).float()
     q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+# ---- the products as custom ops (kernels/ops.py): CPU only, int8 is a CPU mode ---------------------------
+
+@custom_op("int8_linear")
+def int8_linear_op(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x [T, K] @ (q [N, K] int8 * scale [N])^T."""
+    return Int8Weight(q, scale).linear(x, x.new_empty(x.shape[0], q.shape[0]))
+
+
+@int8_linear_op.register_fake
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@custom_op("int8_slots")
+def int8_slots_op(x: Tensor, ids: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """kernels/weights.py's dense_slots for int8 rows: q [E, N, K], scale [E, N]."""
+    return slot_products(Int8Weight(q, scale), x, ids)
+
+
+@int8_slots_op.register_fake
+def _(x, ids, q, scale):
+    return empty_slots(x, ids, q.shape[-2])

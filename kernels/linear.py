@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from .grouping import take_rows  # noqa: F401  (re-exported: callers outside kernels/ take it from here)
 from .weights import as_weight
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T (+ bias)`: x [T, K] float32, w a weight [N, K] -> [T, N], written into `out` when given
-    (otherwise one custom op per product, kernels/ops.py, which torch.compile traces)."""
+    (otherwise one custom op per product, kernels/weights.py, which torch.compile traces)."""
     w = as_weight(w)
     y = w.product(x) if out is None else w.linear(x, out)
     return y if bias is None else y.add_(bias)
@@ -31,14 +32,6 @@ def slot_linear(x: torch.Tensor, weights, ids: torch.Tensor, bias: torch.Tensor 
     (no plan on the host in a traced step) -> [T*k, N]."""
     out = as_weight(weights).slot_product(x, ids)
     return out if bias is None else out.add_(bias.index_select(0, ids.reshape(-1)))
-
-
-def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x's rows `rows`, in that order; x itself when they are all of its rows in order (no copy, and no index to
-    send to a GPU)."""
-    if rows == list(range(x.shape[0])):
-        return x
-    return x.index_select(0, torch.tensor(rows, dtype=torch.long, device=x.device))
 
 
 def lookup_rows(table, ids: torch.Tensor) -> torch.Tensor:

@@ -3,19 +3,22 @@
 Tokens are sorted by expert so that each expert runs one matmul over all the tokens
 routed to it; results are scaled by their routing weight and scattered back. A decode step's few
 (token, expert) slots instead go to one custom op per product that takes the expert ids as a tensor
-(kernels/ops.py: no plan on the host in the traced step, the same bits).
+(kernels/weights.py: no plan on the host in the traced step, the same bits). The custom ops of routing and
+of the MoE's end (route, moe_combine, moe_token: kernels/ops.py) are defined here.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
-import numpy as np
 import torch
+from torch import Tensor
 
-from . import ops
+from . import blocks
 from .gpu_ops import use_triton
-from .linear import grouped_linear, slot_linear, take_rows
+from .grouping import plan, take_rows
+from .linear import grouped_linear, slot_linear
+from .ops import custom_op
 from .pointwise import sigmoid, silu
 
 # On a GPU, up to this many (token, expert) slots run one product each with the expert ids left on the
@@ -28,21 +31,21 @@ from .pointwise import sigmoid, silu
 GPU_SLOT_PRODUCTS = 16
 GPU_DECODE_SLOT_PRODUCTS = 1024
 # On the CPU, up to this many (a decode step's) also run as slot products: the op sorts them by expert
-# itself (a CPU tensor: no synchronisation), as the plan below does, so the results are the same bits.
+# itself (a CPU tensor: no synchronisation), as grouping.plan does, so the results are the same bits.
 CPU_SLOT_PRODUCTS = 64
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool = True):
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to 1 (Qwen)."""
     if use_triton("routing", logits):
-        return ops.route(logits.float(), k, True, renormalise)
+        return route_op(logits.float(), k, True, renormalise)
     return torch_route(logits, k, True, renormalise)
 
 
 def route_topk_softmax(logits: torch.Tensor, k: int):
     """Top k of the raw logits, softmax over those k (gpt-oss)."""
     if use_triton("routing", logits):
-        return ops.route(logits.float(), k, False, False)
+        return route_op(logits.float(), k, False, False)
     return torch_route(logits, k, False, False)
 
 
@@ -106,7 +109,7 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     indices t*k + j and their outputs [n, H]. Slots are sorted by expert, so each expert
     runs one product over its tokens, and the activation runs once over all of them.
 
-    A decode step's slots (all experts here, few slots) run as slot products (kernels/ops.py), the
+    A decode step's slots (all experts here, few slots) run as slot products (kernels/weights.py), the
     ids left a tensor: then slots is None and rows are every slot's, in slot order. decoding: x is a
     decode step's (one token per sequence), which a GPU takes as slot products in larger numbers.
     """
@@ -114,7 +117,7 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
         h = slot_linear(x, gate_up, ids, gate_up_bias)
         return None, slot_linear(activation(h), down, ids.reshape(-1, 1), down_bias)
     experts = experts if experts is not None else range(gate_up.shape[0])
-    order, groups = _plan(ids, experts)
+    order, groups = plan(ids, experts)
     if not order:
         return torch.empty(0, dtype=torch.long, device=x.device), x.new_empty(0, x.shape[1])
     k = ids.shape[1]
@@ -125,43 +128,17 @@ def expert_slot_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tenso
     return slots, grouped_linear(activation(h), down, groups, down_bias)
 
 
-# Up to this many (token, expert) slots (a decode step's), the plan is made in plain Python: numpy's
-# per-call cost is larger than the work there.
-SMALL_PLAN = 64
-
-
-def _plan(ids: torch.Tensor, experts: range) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """The slots routed to `experts`, sorted (stably) by expert, and the groups (local expert,
-    first, end) of the sorted list: one product per expert over its tokens."""
-    if ids.numel() <= SMALL_PLAN:
-        flat = ids.reshape(-1).tolist()     # the grouping is planned on the host (a sync on a GPU)
-        order = [s for s in sorted(range(len(flat)), key=flat.__getitem__) if flat[s] in experts]
-        local = [flat[s] - experts.start for s in order]
-    else:
-        flat = ids.reshape(-1).cpu().numpy()
-        order = np.argsort(flat, kind="stable")
-        order = order[(flat[order] >= experts.start) & (flat[order] < experts.stop)]
-        local = (flat[order] - experts.start).tolist()
-        order = order.tolist()
-    groups, start = [], 0
-    for i in range(1, len(local) + 1):
-        if i == len(local) or local[i] != local[start]:
-            groups.append((local[start], start, i))
-            start = i
-    return order, groups
-
-
 def combine_slots(slots: torch.Tensor | None, rows: torch.Tensor, weights: torch.Tensor,
                   shared_gate: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Routing-weighted sum over each token's k slots, always in slot order: the result does not
     depend on which process computed which expert. slots None: rows holds every slot, in order.
-    With a shared expert: plus sigmoid(shared_gate [T, 1]) * shared [T, H] (ops.moe_combine)."""
+    With a shared expert: plus sigmoid(shared_gate [T, 1]) * shared [T, H] (moe_combine_op)."""
     T, k = weights.shape
     if slots is not None:
         # slots are distinct: when every slot has a row, each one is written and none needs zeroing
         y = rows.new_empty(T * k, rows.shape[-1]) if len(slots) == T * k else rows.new_zeros(T * k, rows.shape[-1])
         rows = y.index_copy_(0, slots, rows)
-    return ops.moe_combine(rows, weights, shared_gate, shared)
+    return moe_combine_op(rows, weights, shared_gate, shared)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -170,3 +147,84 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     """Weighted sum of the selected experts for every token: x [T, H]; weights/ids [T, k]."""
     slots, rows = expert_slot_outputs(x, ids, gate_up, down, activation, gate_up_bias, down_bias)
     return combine_slots(slots, rows, weights)
+
+
+# ---- the custom ops (kernels/ops.py) ------------------------------------------------------------------
+
+@custom_op("route")
+def route_op(logits: Tensor, k: int, softmax_first: bool, renormalise: bool) -> tuple[Tensor, Tensor]:
+    """(weights, ids) [T, k] from router logits [T, E]: softmax then top k (optionally renormalised), or
+    top k then softmax (torch_route)."""
+    return torch_route(logits, k, softmax_first, renormalise)
+
+
+@route_op.register_kernel("cuda")
+def _(logits, k, softmax_first, renormalise):
+    from .triton import moe as gpu      # on first use: triton is optional where only the CPU runs
+    return gpu._route(logits.float(), k, softmax_first, renormalise)
+
+
+@route_op.register_fake
+def _(logits, k, softmax_first, renormalise):
+    shape = (*logits.shape[:-1], k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+@custom_op("moe_combine")
+def moe_combine_op(rows: Tensor, weights: Tensor, gate: Optional[Tensor], shared: Optional[Tensor]) -> Tensor:
+    """Row t = sum over j of weights[t, j] * rows[t*k + j] (j in order), plus sigmoid(gate[t]) * shared[t]
+    where gate [T, 1] and shared [T, H] are given: rows [T*k, H] -> [T, H], float32. On the CPU one call
+    of kernels/csrc/blocks.c (moe_token's end: the same bits), else torch's operations."""
+    lib = blocks.library()
+    if lib is None:
+        return _torch_combine(rows, weights, gate, shared)
+    T, k = weights.shape
+    rows, weights = rows.contiguous(), weights.float().contiguous()
+    shared = None if shared is None else shared.contiguous()
+    out = rows.new_empty(T, rows.shape[-1])
+    if T:
+        blocks.moe_combine(lib, rows, weights, gate, shared, out)
+    return out
+
+
+@moe_combine_op.register_kernel("cuda")
+def _(rows, weights, gate, shared):
+    return _torch_combine(rows, weights, gate, shared)
+
+
+@moe_combine_op.register_fake
+def _(rows, weights, gate, shared):
+    return rows.new_empty(weights.shape[0], rows.shape[-1])
+
+
+def _torch_combine(rows, weights, gate, shared):
+    T, k = weights.shape
+    y = rows.reshape(T, k, -1).mul(weights[..., None].to(rows.dtype)).sum(1)
+    return y if gate is None else y + torch.sigmoid(gate) * shared
+
+
+@custom_op("moe_token")
+def moe_token_op(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, gate_up2: Optional[Tensor],
+                 gate_up_type: int, gate_up_quantize: bool, gate_up_bias: Optional[Tensor], down: Tensor,
+                 down_type: int, down_quantize: bool, down_bias: Optional[Tensor], activation: int, exp_kind: int,
+                 alpha: float, limit: float, shared_gate_up: Optional[Tensor], shared_down: Optional[Tensor],
+                 shared_type: int, shared_quantize: bool, gate: Optional[Tensor]) -> Tensor:
+    """One token's MoE layer after its router, CPU only, in one call: x [1, H] through the gate/up experts
+    ids[0, j] of gate_up [E, N, row bytes] (| gate_up2's rows; plus gate_up_bias [E, 2F]), the activation
+    (0: swiglu, 1: gpt-oss's clamped swiglu with alpha and limit; its exp as blocks.activation_exp says), the
+    down experts of down [E, H, row bytes] (plus down_bias [E, H]); the shared expert's activation of
+    shared_gate_up [1, 2S] and its down product (shared_down [H, row bytes]) when given; then moe_combine
+    with gate [1, 1] -> [1, H]. The same bits as block_slots, the activation, block_linear and moe_combine
+    called one after another (blocks.c's raymoe_moe_token)."""
+    return blocks.moe_token(x, ids.reshape(-1).tolist(), weights,
+                            (gate_up, gate_up2, gate_up_type, gate_up_quantize, gate_up_bias),
+                            (down, down_type, down_quantize, down_bias), (activation, exp_kind, alpha, limit),
+                            shared_gate_up, None if shared_down is None else (shared_down, shared_type, shared_quantize),
+                            gate)
+
+
+@moe_token_op.register_fake
+def _(x, ids, weights, gate_up, gate_up2, gate_up_type, gate_up_quantize, gate_up_bias, down, down_type,
+      down_quantize, down_bias, activation, exp_kind, alpha, limit, shared_gate_up, shared_down, shared_type,
+      shared_quantize, gate):
+    return x.new_empty(1, down.shape[-2])

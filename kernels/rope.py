@@ -7,13 +7,16 @@ components are equal and it reduces to plain partial RoPE.
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from . import native, ops
+from . import native
 from .gpu_ops import use_triton
+from .ops import custom_op
 
 SOURCE = Path(__file__).parent / "csrc" / "rope.c"
 
@@ -58,10 +61,10 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of every head of x [T, H, D]; the rest pass through."""
     if use_triton("rope", x) and x.dtype == torch.float32:
-        from .triton import rope
-        return rope.apply_rope(x, cos.float(), sin.float())
+        from .triton import rope as gpu      # on first use: triton is optional where only the CPU runs
+        return gpu.apply_rope(x, cos.float(), sin.float())
     if x.dtype == torch.float32 and x.dim() == 3 and cos.dtype == sin.dtype == torch.float32:
-        return ops.rope(x, cos, sin)
+        return rope_op(x, cos, sin)
     return torch_rope(x, cos, sin)
 
 
@@ -76,7 +79,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """ops.rope's CPU implementation: one call of kernels/csrc/rope.c, the bits of torch_rope (which runs
+    """rope_op's CPU implementation: one call of kernels/csrc/rope.c, the bits of torch_rope (which runs
     where there is no C compiler)."""
     lib = _library()
     T, H, k = x.shape
@@ -101,6 +104,23 @@ def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+@custom_op("rope")
+def rope_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NeoX rotary embedding of the first cos.shape[-1] values of each head: x [T, H, D] float32, cos and sin
+    [T, rd] -> [T, H, D]."""
+    return cpu_rope(x, cos, sin)
+
+
+@rope_op.register_kernel("cuda")
+def _(x, cos, sin):
+    return torch_rope(x, cos, sin)
+
+
+@rope_op.register_fake
+def _(x, cos, sin):
+    return x.new_empty(x.shape)
+
+
 def yarn_inv_frequencies(base: float, rotary_dim: int, factor: float, original_context: int,
                          beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True,
                          attention_factor: float | None = None) -> tuple[torch.Tensor, float]:
@@ -111,8 +131,6 @@ def yarn_inv_frequencies(base: float, rotary_dim: int, factor: float, original_c
     dimensions (llama.cpp always does; gpt-oss's config says not to). The attention factor, when not
     given, is `0.1 * ln(factor) + 1`; it multiplies cos and sin.
     """
-    import math
-
     if attention_factor is None:
         attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 

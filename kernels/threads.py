@@ -1,7 +1,7 @@
 """The thread policy, decided here only: how many torch threads an actor computes with (the --threads
 default), what a worker process's environment must say before it loads torch, and when a step runs
 on one thread. Outputs do not depend on the thread count (every kernel computes each output in a
-fixed order, and kernels/pointwise.py keeps torch's pointwise ops so; tests/test_threads.py checks
+fixed order, and kernels/pointwise.py keeps torch's pointwise ops so; tests/kernels/test_threads.py checks
 it), so the count is free to follow the machine: by default the stages that compute at once on a
 node share all of its cores, and a stage whose turn it is alone takes them all.
 """

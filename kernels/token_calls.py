@@ -19,8 +19,10 @@ from functools import lru_cache
 
 import torch
 
-from . import blocks, native
+from . import attention, blocks, deltanet, native, norms, rope
 from .blocks import MoEWeight, TokenMoE
+from .moe import torch_route
+from .pointwise import sigmoid
 from .weights import BlockWeight, ConcatWeight, DenseWeight
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,6 @@ class TokenAttentionCall(ctypes.Structure):
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
     """The block library with these calls set up, where it and the other libraries they call are built here."""
-    from . import norms
     lib = blocks.library()
     if lib is None or norms._library() is None:
         return None
@@ -97,7 +98,6 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 
 
 def _rms_norm() -> int:
-    from . import norms
     return _address(norms._library(), "raymoe_rms_norm")
 
 
@@ -190,7 +190,6 @@ class TokenDeltaNet:
 
     def __init__(self, net, norm: torch.Tensor, eps: float, inputs: list[RowWeight], out: list[RowWeight], h: int,
                  keep=()):
-        from . import deltanet
         lib = library()
         nk, nv, dk, dv = net.n_k_heads, net.n_v_heads, net.k_head_dim, net.v_head_dim
         self.conv_shape = (net.conv.shape[1] - 1, net.conv.shape[0])
@@ -233,13 +232,12 @@ class TokenDeltaNet:
 
 class TokenAttention:
     """An attention layer's mixer for a decode step's tokens in one call (raymoe_token_attention): `x +
-    mixer(rms_norm(x))`. attn: its stages.attention.Attention; norm and eps: the input norm's float32 weight and
+    mixer(rms_norm(x))`. attn: its stages.layers.attention.Attention; norm and eps: the input norm's float32 weight and
     epsilon; qkv, out: row_weights of its q/k/v and out products; h: the hidden size. `keep`: what the weights'
     pointers point into."""
 
     def __init__(self, attn, norm: torch.Tensor, eps: float, qkv: list[RowWeight], out: list[RowWeight], h: int,
                  keep=()):
-        from . import attention, rope
         lib, s = library(), attn.spec
         self.heads, self.kv_heads, self.d = s.n_head, s.n_kv_head, s.head_dim
         qd, kvd = s.n_head * s.head_dim, s.n_kv_head * s.head_dim
@@ -308,7 +306,6 @@ def gate_matches() -> bool:
 
 @lru_cache(maxsize=None)
 def _gate_matches(lib: ctypes.CDLL) -> bool:
-    from .pointwise import sigmoid
     g = torch.Generator().manual_seed(0)
     gate = torch.cat([torch.randn(4096, generator=g) * scale for scale in (1, 4, 30, 120)] +
                      [torch.tensor([0.0, -0.0, 87.5, -87.5, 88.7, -88.7, 103.9, -103.9, 104.1, -104.1, 150.0, -150.0,
@@ -360,7 +357,6 @@ def route_lanes(kind: int, experts: int, k: int) -> int | None:
 
 @lru_cache(maxsize=None)
 def _route_lanes(lib: ctypes.CDLL, kind: int, experts: int, k: int) -> int | None:
-    from .moe import torch_route
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(1, experts, generator=g) * scale for scale in (0.1, 1, 4, 16) for _ in range(64)]
     softmax_first, renormalise = next(key for key, value in ROUTES.items() if value == kind)

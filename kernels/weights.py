@@ -6,8 +6,8 @@ Model code never asks how a weight is stored. Every kind answers the same calls:
 - `grouped(x, groups, out)`: rows a:b of x through weight g, for each (g, a, b), of a stack [G, N, K]
   (the tokens of each expert);
 - `product(x)` and `slot_product(x, ids)`: `linear` into a new tensor, and row t*k+j = x[t] through weight
-  ids[t, j] of a stack, as one custom op each (kernels/ops.py): tensors in and out, the expert ids left a
-  tensor, so that torch.compile traces a decode step without host synchronisation;
+  ids[t, j] of a stack, as one custom op each (defined below; int8's in kernels/int8.py): tensors in and out,
+  the expert ids left a tensor, so that torch.compile traces a decode step without host synchronisation;
 - `rows(ids)`: embedding rows as float32;
 - `w[a:b]`: a slice of the leading dimension (the experts an expert actor holds);
 - `shape`, `nbytes`, `dequantize()`;
@@ -23,17 +23,26 @@ kinds and formats match.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from . import blocks, ops
-from .dense import FEW_ROWS, dense_grouped, dense_linear
+from . import blocks, dense, native
+from .dense import FEW_ROWS, dense_grouped
+from .dequant import dequantize
+from .grouping import empty_slots, per_slot, slot_products
+from .ops import custom_op
+# kernels/triton is imported inside the GPU paths, on first use: triton is optional where only the CPU runs
 
 F32, F16, BF16, MXFP4 = 0, 1, 30, 39
 UNQUANTISED = (F32, F16, BF16)
 # the ggml types BlockWeight computes with (gguf numbering): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
 # Q4_K, Q5_K, Q6_K, BF16, MXFP4
 BLOCK_TYPES = (1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39)
+# Up to this many rows, every block weight's product is the few-row kernel's one call (BlockWeight._few_rows)
+DECODE_ROWS = 8
 
 
 def rows_computed_alone(mode: str, device: str = "cpu") -> int:
@@ -42,10 +51,10 @@ def rows_computed_alone(mode: str, device: str = "cpu") -> int:
     a weight in the fast mode; few_rows.c's). So up to that many sequences may share a decode step without
     changing a bit of theirs. 0 where this host lacks a kernel that would be needed (BLAS and torch may sum a
     row otherwise in company), and on a GPU, whose decode steps are not checked for it."""
-    from .native import few_rows, int8_rows
-    if device == "cuda" or blocks.library() is None or few_rows() is None or (mode == "int8" and int8_rows() is None):
+    if device == "cuda" or blocks.library() is None or native.few_rows() is None or \
+            (mode == "int8" and native.int8_rows() is None):
         return 0
-    return min(ops.DECODE_ROWS, FEW_ROWS)
+    return min(DECODE_ROWS, FEW_ROWS)
 
 
 class DenseWeight:
@@ -70,16 +79,16 @@ class DenseWeight:
         return F.embedding(ids, self.t)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.t, out)
+        return dense.dense_linear(x, self.t, out)
 
     def grouped(self, x: torch.Tensor, groups, out: torch.Tensor) -> torch.Tensor:
         return dense_grouped(x, self.t, groups, out)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.dense_linear(x, self.t)
+        return dense_linear_op(x, self.t)
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "DenseWeight | None" = None) -> torch.Tensor:
-        return ops.dense_slots(x, ids, self.t, None if second is None else second.t)
+        return dense_slots_op(x, ids, self.t, None if second is None else second.t)
 
     def same_format(self, other) -> bool:
         return True
@@ -138,7 +147,6 @@ class BlockWeight:
             from .triton import blocks as gpu_blocks
             return gpu_blocks.dequantize_rows(raw.contiguous(), self.kernel_type, self.k)
         if blocks.library() is None:      # no compiler: torch's bit-exact decoders
-            from .dequant import dequantize
             return dequantize(raw.contiguous(), self.type)
         return blocks.dequantize_rows(raw.contiguous(), self.type, self.k)
 
@@ -154,8 +162,8 @@ class BlockWeight:
 
     def product(self, x: torch.Tensor, raw2: torch.Tensor | None = None) -> torch.Tensor:
         y = self._one_row(x, raw2)
-        return y if y is not None else ops.block_linear(x, self.raw, raw2, self.kernel_type, self.k,
-                                                        self.quantize_activations)
+        return y if y is not None else block_linear_op(x, self.raw, raw2, self.kernel_type, self.k,
+                                                       self.quantize_activations)
 
     def _one_row(self, x: torch.Tensor, raw2: torch.Tensor | None, out: torch.Tensor | None = None):
         """An eager decode step's one-row product on the CPU (with raw2's rows after these: the same raw2 each
@@ -171,8 +179,8 @@ class BlockWeight:
         return row(x, out) if row.takes(x, out) else None
 
     def slot_product(self, x: torch.Tensor, ids: torch.Tensor, second: "BlockWeight | None" = None) -> torch.Tensor:
-        return ops.block_slots(x, ids, self.raw, None if second is None else second.raw, self.kernel_type, self.k,
-                               self.quantize_activations)
+        return block_slots_op(x, ids, self.raw, None if second is None else second.raw, self.kernel_type, self.k,
+                              self.quantize_activations)
 
     def _product(self, x, raw, groups, out, raw2=None):
         """raw: a stack [G, N, bytes], or one weight [N, bytes] (linear: no view made per call).
@@ -323,7 +331,7 @@ def join_tensors(tensors: list[torch.Tensor], dim: int, loading: "Loading | None
 
 
 class Loading:
-    """One load's work still to finish: reads running in the background (stages/direct_io.py) and the joins
+    """One load's work still to finish: reads running in the background (stages/files/direct_io.py) and the joins
     of weights they fill. The load goes on reading meanwhile; `wait` finishes it all, in order."""
 
     def __init__(self):
@@ -359,3 +367,112 @@ class _Join:
             torch.cat(self.tensors, self.dim, out=self.out)
             self.tensors = None         # the parts' memory goes now
         return True
+
+
+# ---- the products as custom ops (kernels/ops.py) ---------------------------------------------------------
+
+def _rows(raw: Tensor, raw2: Optional[Tensor]) -> int:
+    return raw.shape[-2] + (0 if raw2 is None else raw2.shape[-2])
+
+
+def _columns(raw: Tensor, raw2: Optional[Tensor], out: Tensor):
+    """(weight, its columns of out) for raw and raw2."""
+    n = raw.shape[-2]
+    return [(raw, out[:, :n])] + ([] if raw2 is None else [(raw2, out[:, n:])])
+
+
+def _block_weight(raw, raw2, ggml_type, k, quantize):
+    w = BlockWeight(raw, ggml_type, k, quantize)
+    return w if raw2 is None else ConcatWeight([w, BlockWeight(raw2, ggml_type, k, quantize)], raw.dim() - 2)
+
+
+@custom_op("dense_linear")
+def dense_linear_op(x: Tensor, w: Tensor) -> Tensor:
+    """x [T, K] @ w [N, K]^T, float32."""
+    return dense.dense_linear(x, w, x.new_empty(x.shape[0], w.shape[0]))
+
+
+@dense_linear_op.register_kernel("cuda")
+def _(x, w):
+    return F.linear(x, w)       # cuBLAS (TF32 stays off for float32 products)
+
+
+@dense_linear_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@custom_op("dense_slots")
+def dense_slots_op(x: Tensor, ids: Tensor, w: Tensor, w2: Optional[Tensor]) -> Tensor:
+    """Row t*k+j = x[t] @ (w | w2)[ids[t, j]]^T: x [T, K], ids int64 [T, k], w [E, N, K] and optionally w2
+    [E, N2, K] (a GGUF file's gate and up experts: one plan) -> [T*k, N + N2]."""
+    weight = DenseWeight(w) if w2 is None else ConcatWeight([DenseWeight(w), DenseWeight(w2)], 1)
+    return slot_products(weight, x, ids)
+
+
+@dense_slots_op.register_kernel("cuda")
+def _(x, ids, w, w2):
+    experts, x = ids.reshape(-1), per_slot(x, ids)[:, :, None]
+    out = torch.bmm(w[experts], x)[..., 0]
+    return out if w2 is None else torch.cat((out, torch.bmm(w2[experts], x)[..., 0]), -1)
+
+
+@dense_slots_op.register_fake
+def _(x, ids, w, w2):
+    return empty_slots(x, ids, _rows(w, w2))
+
+
+@custom_op("block_linear")
+def block_linear_op(x: Tensor, raw: Tensor, raw2: Optional[Tensor], ggml_type: int, k: int, quantize: bool) -> Tensor:
+    """x [T, k] @ deq(raw [N, row bytes] | raw2 [N2, row bytes])^T -> [T, N + N2]. quantize: the fast mode
+    (8-bit activations) where the format has one; otherwise exact float32."""
+    if x.shape[0] <= DECODE_ROWS and blocks.library() is not None:     # BlockWeight's call, made straight
+        out = x.new_empty(x.shape[0], _rows(raw, raw2))
+        blocks.grouped_product(x if x.stride(-1) == 1 else x.contiguous(), raw, ggml_type, k, [(0, 0, x.shape[0])],
+                               out, quantize, raw2)
+        return out
+    w = _block_weight(raw, raw2, ggml_type, k, quantize)
+    return w.linear(x, x.new_empty(x.shape[0], w.shape[-2]))
+
+
+@block_linear_op.register_kernel("cuda")
+def _(x, raw, raw2, ggml_type, k, quantize):
+    from .triton import blocks as gpu
+    out, x = x.new_empty(x.shape[0], _rows(raw, raw2)), x if x.stride(-1) == 1 else x.contiguous()
+    for w, columns in _columns(raw, raw2, out):
+        gpu.linear(x, w, ggml_type, k, columns)
+    return out
+
+
+@block_linear_op.register_fake
+def _(x, raw, raw2, ggml_type, k, quantize):
+    return x.new_empty(x.shape[0], _rows(raw, raw2))
+
+
+@custom_op("block_slots")
+def block_slots_op(x: Tensor, ids: Tensor, raw: Tensor, raw2: Optional[Tensor], ggml_type: int, k: int,
+                   quantize: bool) -> Tensor:
+    """Row t*K+j = x[t] @ deq(expert ids[t, j] of raw [E, N, row bytes] | raw2 [E, N2, row bytes])^T:
+    x [T, k], ids int64 [T, K] -> [T*K, N + N2]."""
+    if (ids.shape[0] == 1 or ids.shape[1] == 1) and blocks.library() is not None:
+        experts = ids.reshape(-1).tolist()
+        if len(set(experts)) == len(experts):   # slot_products' groups of one slot each, x's rows read in place
+            out = x.new_empty(len(experts), _rows(raw, raw2))
+            blocks.slot_product(x if x.stride(-1) == 1 else x.contiguous(), raw, ggml_type, k, experts, out, quantize,
+                                raw2)
+            return out
+    return slot_products(_block_weight(raw, raw2, ggml_type, k, quantize), x, ids)
+
+
+@block_slots_op.register_kernel("cuda")
+def _(x, ids, raw, raw2, ggml_type, k, quantize):
+    from .triton import blocks as gpu
+    out, x, experts = x.new_empty(ids.numel(), _rows(raw, raw2)), per_slot(x, ids).contiguous(), ids.reshape(-1)
+    for w, columns in _columns(raw, raw2, out):
+        gpu.slot_product(x, w, ggml_type, k, experts, columns)
+    return out
+
+
+@block_slots_op.register_fake
+def _(x, ids, raw, raw2, ggml_type, k, quantize):
+    return empty_slots(x, ids, _rows(raw, raw2))

@@ -1,5 +1,5 @@
 """Each Triton kernel (kernels/triton) against the CPU kernels (kernels/*.py), on small shapes, with the
-error bound each comparison allows and why. Shared by tests/test_triton_kernels.py (CPU tensors in
+error bound each comparison allows and why. Shared by tests/kernels/test_triton_kernels.py (CPU tensors in
 Triton's interpreter, in CI) and tests/gpu/run.py (CUDA tensors, the kernels compiled for real): every
 case takes the device to run the Triton side on; inputs are made and references computed on the CPU.
 
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels import attention as cpu_attention, deltanet as cpu_deltanet, moe as cpu_moe, norms as cpu_norms
-from kernels import rope as cpu_rope
-from kernels.dequant import dequantize
-from kernels.triton import attention, blocks, deltanet, moe, norms, rope
+from raymoe.kernels import attention as cpu_attention, deltanet as cpu_deltanet, moe as cpu_moe, norms as cpu_norms
+from raymoe.kernels import rope as cpu_rope
+from raymoe.kernels.dequant import dequantize
+from raymoe.kernels.triton import attention, blocks, deltanet, moe, norms, rope
 
 U = 2.0 ** -24
 # byte offsets of the float16 fields (d, dmin, m) in each block format
@@ -117,7 +117,7 @@ def check_grouped_product(t: T, device: str) -> None:
         mag[a:b] = x[a:b].double().abs() @ w[g].abs().T
     bound = (32 + k / 32 + 2) * U * mag
     assert_within(out, want, bound, f"{t.name} grouped product")
-    from kernels import blocks as cpu_blocks
+    from raymoe.kernels import blocks as cpu_blocks
     if cpu_blocks.library() is not None:
         cpu = torch.full((24, n), 7.0)
         cpu_blocks.grouped_product(x, raw, t, k, groups, cpu, False)

@@ -8,7 +8,7 @@ One query (decode) takes two other kernels instead (flash decoding): one program
 of SPLIT keys) with products as sums rather than tl.dot (a 16-row tile would be 15 rows of padding, and a
 head's programs too few to fill the GPU), then one program per head merges its splits in order. Splits
 start at multiples of SPLIT, so keys past the last one a query sees (a CUDA graph reads a cache's whole
-storage, stages/decode_graph.py) change no bit of the result: their splits and tiles add exact zeros."""
+storage, stages/runtime/decode_graph.py) change no bit of the result: their splits and tiles add exact zeros."""
 from __future__ import annotations
 
 import torch

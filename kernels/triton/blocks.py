@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.blocks import check_raw, row_bytes as file_row_bytes
+from raymoe.kernels.blocks import check_raw, row_bytes as file_row_bytes
 
 from .launch import check_device
 

@@ -9,10 +9,10 @@ from typing import Callable
 
 import torch
 
-from raymoe.kernels import blocks, ops, token_calls
+from raymoe.kernels import blocks, token_calls
 from raymoe.kernels.linear import linear
-from raymoe.kernels.moe import (CPU_SLOT_PRODUCTS, GPU_DECODE_SLOT_PRODUCTS, activation_code, combine_slots, expert_slot_outputs,
-                         route_code, swiglu)
+from raymoe.kernels.moe import (CPU_SLOT_PRODUCTS, GPU_DECODE_SLOT_PRODUCTS, activation_code, combine_slots,
+                                expert_slot_outputs, moe_token_op, route_code, swiglu)
 from raymoe.kernels.weights import BlockWeight, ConcatWeight
 
 
@@ -107,7 +107,7 @@ class MoE:
             self.experts.down.shape[-2], *self.token_call, spec.shared_ff)
 
     def _token_call(self) -> tuple | None:
-        """ops.moe_token's arguments that do not change from call to call, as blocks.moe_token takes them:
+        """moe_token_op's arguments that do not change from call to call, as blocks.moe_token takes them:
         (gate_up, down, activation, shared_down), the last None without a shared expert; where one token's MoE
         after its router can be one call: on the CPU with the block kernels, all of the layer's experts here,
         GGML-block weights, an activation the library computes with this torch's bits (blocks.activation_exp), at
@@ -161,8 +161,8 @@ class MoE:
             if not torch.compiler.is_compiling():   # eager: the op's CPU call, its weights described once
                 return self.token_moe(x, ids.reshape(-1).tolist(), weights, shared_gate_up, shared_gate)
             gate_up, down, activation, shared = self.token_call
-            return ops.moe_token(x, ids, weights, *gate_up, *down, *activation, shared_gate_up,
-                                 *(shared or (None, 0, False)), shared_gate)
+            return moe_token_op(x, ids, weights, *gate_up, *down, *activation, shared_gate_up,
+                                *(shared or (None, 0, False)), shared_gate)
         shared = linear(s.activation(shared_gate_up), self.shared_down) if s.shared_ff else None
         slots = self.experts(x, ids, decoding) if self.local else self.experts(x, ids)
         return combine_slots(*slots, weights, shared_gate, shared)

@@ -302,7 +302,7 @@ def main() -> int:
         return compile_only(args.arch)
     if not torch.cuda.is_available():
         print("tests/gpu/run.py: no CUDA device here (torch.cuda.is_available() is False): nothing to check. "
-              "The kernels' logic is checked on CPU by tests/test_triton_kernels.py in Triton's interpreter.")
+              "The kernels' logic is checked on CPU by tests/kernels/test_triton_kernels.py in Triton's interpreter.")
         return 0
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     import model_checks as models

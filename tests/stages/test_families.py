@@ -124,7 +124,7 @@ def test_llama_cpp_computes_the_same_from_the_converted_file(oracle, family):
 @pytest.mark.parametrize("mode", ["auto", "float32"])
 def test_decode_token_moe_in_one_call_keeps_every_bit(tmp_path, monkeypatch, arch, kind, mode):
     """A file with GGML-block experts runs each MoE layer of a batch-1 decode step after its router in one call
-    (blocks.TokenMoE, ops.moe_token's CPU call: the routed experts' gate/up products, activation and down products
+    (blocks.TokenMoE, moe_token_op's CPU call: the routed experts' gate/up products, activation and down products
     with their biases, the shared expert, the weighted sum); the tokens and logprobs are those of the separate
     calls, bit for bit."""
     from raymoe.kernels import blocks

@@ -12,7 +12,7 @@ from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import ChunkSampling
 from raymoe.stages.runtime.stage import Stage
-from tests.test_threads import full_width
+from thread_runs import full_width
 
 MODES = ["auto", "float32", "int8"]
 

@@ -7,12 +7,12 @@ wrong scale or row order moves logprobs by nats."""
 import pytest
 import torch
 
-from cluster.engine import ClusterEngine, EngineArgs
-from tools.make_tiny import make_tiny
+from raymoe.cluster.engine import ClusterEngine, EngineArgs
+from raymoe.tools.make_tiny import make_tiny
 from hf_models import run_one
-from kernels.int8 import Int8Weight
-from stages.loader import open_model
-from stages.stage import Stage
+from raymoe.kernels.int8 import Int8Weight
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.stage import Stage
 
 
 @pytest.fixture(scope="module", params=[("qwen35moe", "q8_0"), ("gptoss", "f32")])   # gpt-oss: MXFP4 experts

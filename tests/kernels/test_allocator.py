@@ -31,7 +31,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def faults(setting: str) -> int:
     out = subprocess.run([sys.executable, "-c", ROUNDS, setting], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     return int(out.stdout)
 
 

@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from kernels import blocks, native
+from raymoe.kernels import blocks, native
 
 if blocks.library() is None:
     pytest.skip("no C compiler: the block kernels are unavailable", allow_module_level=True)
@@ -229,7 +229,7 @@ def test_two_weights_in_one_call_give_the_joined_weights_bits(variant, t):
     apart in memory) gives, bit for bit, what the two joined into one stack give: few-row products
     in both modes, many-row ones in the fast mode, the split inside a register tile and inside a
     many-row tile (21 + 13 rows); through ConcatWeight too, with groups of both kinds."""
-    from kernels.weights import BlockWeight, ConcatWeight
+    from raymoe.kernels.weights import BlockWeight, ConcatWeight
     n1, n2, k = 21, 13, 7 * 32 if block_elems(t) == 32 else 3 * 256
     rng = np.random.default_rng(7000 + int(t))
     raw = torch.stack([random_raw(rng, t, n1, k) for _ in range(3)])
@@ -456,23 +456,22 @@ def test_one_row_call_gives_the_ops_bits(t):
     """A decode step's one-row products through a block weight take a call whose weight arguments were made
     once (blocks.RowProduct, from BlockWeight.product and .linear). The op's bits: a weight alone, a pair in
     one call, a product into columns of a wider output; rows it does not take go the op's way."""
-    from kernels import ops
-    from kernels.weights import BlockWeight, ConcatWeight
+    from raymoe.kernels.weights import BlockWeight, ConcatWeight, block_linear_op
     rng = np.random.default_rng(9100 + int(t))
     k = 512
     a, b = (BlockWeight(random_raw(rng, t, n, k), t, k, True) for n in (24, 8))
     x = torch.randn(1, k)
     for w, raw2 in ((a, None), (ConcatWeight([a, b], 0), b.raw)):
-        want = ops.block_linear(x, a.raw, raw2, t, k, True).view(torch.int32)
+        want = block_linear_op(x, a.raw, raw2, t, k, True).view(torch.int32)
         assert torch.equal(w.product(x).view(torch.int32), want)
     assert a._row is not None and a._row.tensors[1] is b.raw       # the pair's call was made and used
     out = torch.full((1, 40), float("nan"))
     a.linear(x, out[:, 8:32])
-    assert torch.equal(out[:, 8:32].view(torch.int32), ops.block_linear(x, a.raw, None, t, k, True).view(torch.int32))
+    assert torch.equal(out[:, 8:32].view(torch.int32), block_linear_op(x, a.raw, None, t, k, True).view(torch.int32))
     assert out[:, :8].isnan().all() and out[:, 32:].isnan().all()
     strided = torch.randn(1, 2 * k)[:, ::2]
     assert not a._row.takes(strided)
-    assert torch.equal(a.product(strided), ops.block_linear(strided.contiguous(), a.raw, None, t, k, True))
+    assert torch.equal(a.product(strided), block_linear_op(strided.contiguous(), a.raw, None, t, k, True))
 
 
 def test_strided_rows():
@@ -643,7 +642,7 @@ ACTIVATIONS = [(0, 0.0, 0.0), (1, 1.702, 7.0)]     # swiglu; gpt-oss's clamped s
 
 def _torch_activation(kind, alpha, limit):
     from functools import partial
-    from kernels.moe import clamped_swiglu, swiglu
+    from raymoe.kernels.moe import clamped_swiglu, swiglu
     return swiglu if kind == 0 else partial(clamped_swiglu, alpha=alpha, limit=limit)
 
 
@@ -672,12 +671,13 @@ def test_moe_activation_in_c_gives_torchs_bits(variant, kind, alpha, limit):
 
 @pytest.mark.parametrize("t, shared_t", [(T.Q3_K, T.Q4_K), (T.MXFP4, T.Q8_0), (T.Q8_0, T.F16)], ids=lambda t: t.name)
 def test_moe_token_gives_the_separate_calls_bits(variant, t, shared_t):
-    """One token's MoE after its router in one call (ops.moe_token, a decode step's MoE: gate/up products with
+    """One token's MoE after its router in one call (moe.moe_token_op, a decode step's MoE: gate/up products with
     gpt-oss's biases or without, the activation, down products, shared expert, weighted sum) equals
     block_slots, the bias, the activation in torch, block_slots, block_linear and moe_combine one after
     another, bit for bit, in both modes, for both activations, gate and up as one weight or two, with and
     without a shared expert; bad expert ids, a shared expert without its gate and a bad bias are refused."""
-    from kernels import ops
+    from raymoe.kernels.moe import moe_combine_op, moe_token_op
+    from raymoe.kernels.weights import block_linear_op, block_slots_op
     h, ff, sff, k = 256, 256, 512, 4
     rng = np.random.default_rng(9300 + int(t))
     gate, up = (torch.stack([random_raw(rng, t, ff, h) for _ in range(6)]) for _ in range(2))
@@ -693,35 +693,35 @@ def test_moe_token_gives_the_separate_calls_bits(variant, t, shared_t):
                                  (True, (torch.randn(6, 2 * ff, generator=g), torch.randn(6, h, generator=g)))):
             up_bias, down_bias = biases or (None, None)
             for gate_up in ((gate, up), (torch.cat([gate, up], 1), None)):
-                hidden = ops.block_slots(x, ids, *gate_up, t, h, quantize)
+                hidden = block_slots_op(x, ids, *gate_up, t, h, quantize)
                 if up_bias is not None:
                     hidden.add_(up_bias.index_select(0, ids.reshape(-1)))   # kernels.linear.slot_linear's bias
-                rows = ops.block_slots(activation(hidden), ids.reshape(-1, 1), down, None, t, ff, quantize)
+                rows = block_slots_op(activation(hidden), ids.reshape(-1, 1), down, None, t, ff, quantize)
                 if down_bias is not None:
                     rows.add_(down_bias.index_select(0, ids.reshape(-1)))
-                shared = ops.block_linear(activation(shared_gate_up), shared_down, None, shared_t, sff, quantize)
+                shared = block_linear_op(activation(shared_gate_up), shared_down, None, shared_t, sff, quantize)
                 args = (x, ids, weights, *gate_up, t, quantize, up_bias, down, t, quantize, down_bias, kind, exp_kind,
                         alpha, limit)
                 for want, shared_args in (
-                        (ops.moe_combine(rows, weights, shared_gate, shared),
+                        (moe_combine_op(rows, weights, shared_gate, shared),
                          (shared_gate_up, shared_down, shared_t, quantize, shared_gate)),
-                        (ops.moe_combine(rows, weights, None, None), (None, None, 0, False, None))):
-                    got = ops.moe_token(*args, *shared_args)
+                        (moe_combine_op(rows, weights, None, None), (None, None, 0, False, None))):
+                    got = moe_token_op(*args, *shared_args)
                     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     args = [x, ids, weights, gate, up, t, True, None, down, t, True, None, 0, 1, 0.0, 0.0, None, None, 0, False, None]
     with pytest.raises(ValueError, match="out of range"):
-        ops.moe_token(*args[:1], torch.tensor([[5, 1, 6, 0]]), *args[2:])
+        moe_token_op(*args[:1], torch.tensor([[5, 1, 6, 0]]), *args[2:])
     with pytest.raises(ValueError, match="come together"):
-        ops.moe_token(*args[:16], shared_gate_up, shared_down, shared_t, True, None)
+        moe_token_op(*args[:16], shared_gate_up, shared_down, shared_t, True, None)
     with pytest.raises(ValueError, match="bias must be"):
-        ops.moe_token(*args[:11], torch.randn(5, h), *args[12:])
+        moe_token_op(*args[:11], torch.randn(5, h), *args[12:])
 
 
 def test_moe_combine_sums_slots_in_order():
     """The weighted sum adds each token's slots in slot order (each product rounded first) and then the
     gated shared expert, for any width (torch's own sum reorders some, e.g. 8 slots of 100 values);
     within float32 rounding of torch's formula."""
-    from kernels import ops
+    from raymoe.kernels.moe import moe_combine_op
     g = torch.Generator().manual_seed(5)
     for T_, k, h in ((1, 8, 2048), (3, 8, 100), (2, 4, 2880), (5, 1, 7)):
         rows, weights = torch.randn(T_ * k, h, generator=g) * 10, torch.rand(T_, k, generator=g)
@@ -730,6 +730,6 @@ def test_moe_combine_sums_slots_in_order():
         want = products[:, 0]
         for j in range(1, k):
             want = want + products[:, j]
-        assert torch.equal(ops.moe_combine(rows, weights, None, None), want)
-        got = ops.moe_combine(rows, weights, gate, shared)
+        assert torch.equal(moe_combine_op(rows, weights, None, None), want)
+        got = moe_combine_op(rows, weights, gate, shared)
         assert torch.allclose(got, want + torch.sigmoid(gate) * shared, rtol=1e-6, atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.dequant import dequantize
+from raymoe.kernels.dequant import dequantize
 
 # Types gguf-py can quantise, so real blocks can be made from random floats.
 QUANTISABLE = [T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]

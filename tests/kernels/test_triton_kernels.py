@@ -5,7 +5,7 @@ import torch
 import triton_cases
 from gguf import GGMLQuantizationType as T
 
-from kernels.triton import attention, blocks, deltanet, launch     # in the interpreter: tests/conftest.py
+from raymoe.kernels.triton import attention, blocks, deltanet, launch     # in the interpreter: tests/conftest.py
 
 
 @pytest.mark.parametrize("check", [fn for _, fn in triton_cases.CASES], ids=[name for name, _ in triton_cases.CASES])
@@ -39,7 +39,7 @@ def test_a_split_weight_computes_as_the_files_bytes_and_moves_back_whole():
     Triton kernels' bits for the file's bytes, and `to("cpu")` gives the file's bytes back."""
     import numpy as np
 
-    from kernels.weights import BlockWeight
+    from raymoe.kernels.weights import BlockWeight
 
     rng = np.random.default_rng(0)
     for t in (T.Q8_0, T.MXFP4):
@@ -55,9 +55,9 @@ def test_a_split_weight_computes_as_the_files_bytes_and_moves_back_whole():
 
 @pytest.mark.parametrize("d", [16, 64])
 def test_decode_attention_past_the_cache_end_changes_no_bit(d):
-    """A decode step replayed as a CUDA graph reads a KV cache's whole storage (stages/decode_graph.py): the
+    """A decode step replayed as a CUDA graph reads a KV cache's whole storage (stages/runtime/decode_graph.py): the
     rows past the end (EMPTY_POSITION; zeros, or keys a window has passed) leave every bit as it was."""
-    from stages.cache import EMPTY_POSITION
+    from raymoe.stages.layers.cache import EMPTY_POSITION
 
     g = torch.Generator().manual_seed(0)
     held, storage = 70, 256

@@ -1,18 +1,19 @@
 """One layer's decode step traced whole (docs/compiled-step.md): the kernels as torch custom ops
-(kernels/ops.py) and a decode step that is tensors in, tensors out, with no host synchronisation.
+(kernels/ops.py's mechanism; each op is defined in its kernel's module) and a decode step that is tensors in,
+tensors out, with no host synchronisation.
 torch.compile(fullgraph=True) refuses any graph break (a .tolist(), .item(), data-dependent branch), so
 the compile itself is the check that no host sync sneaks into the step."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kernels import blocks, moe, ops
-from kernels.int8 import quantize_rows
-from kernels.linear import lookup_rows
-from stages.batch import StepBatch, StepContext
-from stages.cache import KVCache
-from stages.loader import open_model
-from stages.stage import Stage
+from raymoe.kernels import attention, blocks, deltanet, moe, norms, rope, weights
+from raymoe.kernels.int8 import int8_linear_op, int8_slots_op, quantize_rows
+from raymoe.kernels.linear import lookup_rows
+from raymoe.stages.runtime.batch import StepBatch, StepContext
+from raymoe.stages.layers.cache import KVCache
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.stage import Stage
 
 MODELS = ["tiny-qwen35moe", "tiny-gptoss"]
 SEQS, PROMPT, STEPS = 2, 8, 3
@@ -111,7 +112,7 @@ def test_a_host_sync_breaks_the_compile(monkeypatch):
     """Negative control: the routed experts planned on the host (the prefill path: ids.tolist()) cannot
     be traced whole, and fullgraph=True says so."""
     monkeypatch.setattr(moe, "CPU_SLOT_PRODUCTS", 0)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="in _plan"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="in plan"):
         decode_steps("tiny-gptoss", "float32", lambda layer: torch.compile(layer.decode, fullgraph=True,
                                                                             backend="eager"), layers={0})
 
@@ -170,36 +171,42 @@ def op_cases():
     q, kv = torch.randn(1, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     dq, dk, dv = (torch.nn.functional.normalize(torch.randn(2, 3, 16, generator=g), dim=-1) for _ in range(3))
     return {
-        "dense_linear": [(ops.dense_linear, (x, torch.randn(8, 64, generator=g)))],
-        "dense_slots": [(ops.dense_slots, (x, ids, torch.randn(4, 8, 64, generator=g), None)),
-                        (ops.dense_slots, (x, ids, torch.randn(4, 8, 64, generator=g), torch.randn(4, 6, 64, generator=g)))],
-        "block_linear": [(ops.block_linear, (x, q8[0], None, T.Q8_0, 64, quantize)) for quantize in (False, True)]
-                        + [(ops.block_linear, (x, mx[0], mx[1], T.MXFP4, 64, True))],
-        "block_slots": [(ops.block_slots, (x, ids, q8, None, T.Q8_0, 64, False)),
-                        (ops.block_slots, (x, ids, mx, mx.flip(0).contiguous(), T.MXFP4, 64, True))],
-        "int8_linear": [(ops.int8_linear, (x, int8.q[0], int8.scale[0]))],
-        "int8_slots": [(ops.int8_slots, (x, ids, int8.q, int8.scale))],
-        "attention": [(ops.attention, (q, kv, kv.flip(0), torch.tensor([5]), torch.arange(6), 0.25, window, sinks))
+        "dense_linear": [(weights.dense_linear_op, (x, torch.randn(8, 64, generator=g)))],
+        "dense_slots": [(weights.dense_slots_op, (x, ids, torch.randn(4, 8, 64, generator=g), None)),
+                        (weights.dense_slots_op, (x, ids, torch.randn(4, 8, 64, generator=g),
+                                                  torch.randn(4, 6, 64, generator=g)))],
+        "block_linear": [(weights.block_linear_op, (x, q8[0], None, T.Q8_0, 64, quantize))
+                         for quantize in (False, True)] + [(weights.block_linear_op, (x, mx[0], mx[1], T.MXFP4, 64, True))],
+        "block_slots": [(weights.block_slots_op, (x, ids, q8, None, T.Q8_0, 64, False)),
+                        (weights.block_slots_op, (x, ids, mx, mx.flip(0).contiguous(), T.MXFP4, 64, True))],
+        "int8_linear": [(int8_linear_op, (x, int8.q[0], int8.scale[0]))],
+        "int8_slots": [(int8_slots_op, (x, ids, int8.q, int8.scale))],
+        "attention": [(attention.attention_op, (q, kv, kv.flip(0), torch.tensor([5]), torch.arange(6), 0.25, window,
+                                                sinks))
                       for window, sinks in ((None, None), (3, torch.randn(4, generator=g)))],
-        "causal_conv1d": [(ops.causal_conv1d, (torch.randn(2, 1, 16, generator=g), torch.randn(16, 4, generator=g),
-                                               torch.randn(2, 3, 16, generator=g)))],
-        "delta_rule_step": [(ops.delta_rule_step, (dq * 0.25, dk, dv, -torch.rand(2, 3, generator=g),
-                                                   torch.rand(2, 3, generator=g), torch.randn(2, 3, 16, 16, generator=g)))],
-        "deltanet_decode": [(ops.deltanet_decode, _deltanet_args())],
-        "route": [(ops.route, (torch.randn(3, 8, generator=g), 2, first, first)) for first in (True, False)],
-        "moe_combine": [(ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g), None, None)),
-                        (ops.moe_combine, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g),
-                                           torch.randn(3, 1, generator=g), torch.randn(3, 64, generator=g)))],
-        "moe_token": [(ops.moe_token, (x[:1], ids[:1], torch.rand(1, 2, generator=g), gate_up, None, T.Q8_0, quantize,
-                                       torch.randn(4, 64, generator=g) if shared is None else None, down, T.Q8_0,
-                                       quantize, torch.randn(4, 64, generator=g) if shared is None else None,
-                                       kind, 1, 1.702, 7.0, shared, None if shared is None else shared_down, T.Q8_0,
-                                       quantize, None if shared is None else torch.randn(1, 1, generator=g)))
+        "causal_conv1d": [(deltanet.causal_conv1d_op, (torch.randn(2, 1, 16, generator=g),
+                                                       torch.randn(16, 4, generator=g),
+                                                       torch.randn(2, 3, 16, generator=g)))],
+        "delta_rule_step": [(deltanet.delta_rule_step_op, (dq * 0.25, dk, dv, -torch.rand(2, 3, generator=g),
+                                                           torch.rand(2, 3, generator=g),
+                                                           torch.randn(2, 3, 16, 16, generator=g)))],
+        "deltanet_decode": [(deltanet.deltanet_decode_op, _deltanet_args())],
+        "route": [(moe.route_op, (torch.randn(3, 8, generator=g), 2, first, first)) for first in (True, False)],
+        "moe_combine": [(moe.moe_combine_op, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g), None,
+                                              None)),
+                        (moe.moe_combine_op, (torch.randn(6, 64, generator=g), torch.rand(3, 2, generator=g),
+                                              torch.randn(3, 1, generator=g), torch.randn(3, 64, generator=g)))],
+        "moe_token": [(moe.moe_token_op, (x[:1], ids[:1], torch.rand(1, 2, generator=g), gate_up, None, T.Q8_0,
+                                          quantize, torch.randn(4, 64, generator=g) if shared is None else None, down,
+                                          T.Q8_0, quantize, torch.randn(4, 64, generator=g) if shared is None else None,
+                                          kind, 1, 1.702, 7.0, shared, None if shared is None else shared_down, T.Q8_0,
+                                          quantize, None if shared is None else torch.randn(1, 1, generator=g)))
                       for kind, quantize, shared in ((1, False, None), (0, True, torch.randn(1, 64, generator=g)))],
-        "rope": [(ops.rope, (torch.randn(2, 3, 16, generator=g), torch.randn(2, 8, generator=g),
-                             torch.randn(2, 8, generator=g)))],
-        "rms_norm": [(ops.rms_norm, (x, torch.randn(64, generator=g), 1e-6)),
-                     (ops.rms_norm, (torch.randn(2, 3, 40, generator=g)[:, :, :37], torch.randn(37, generator=g), 1e-5))],
+        "rope": [(rope.rope_op, (torch.randn(2, 3, 16, generator=g), torch.randn(2, 8, generator=g),
+                                 torch.randn(2, 8, generator=g)))],
+        "rms_norm": [(norms.rms_norm_op, (x, torch.randn(64, generator=g), 1e-6)),
+                     (norms.rms_norm_op, (torch.randn(2, 3, 40, generator=g)[:, :, :37], torch.randn(37, generator=g),
+                                          1e-5))],
     }
 
 
@@ -237,4 +244,4 @@ def test_ops_outside_tracing_call_their_implementation_directly():
     op, args = CASES["dense_linear"][0]
     assert torch.equal(op(*args), op.op(*args))
     with pytest.raises(NotImplementedError, match="no meta implementation"):
-        ops.int8_linear(torch.empty(1, 64, device="meta"), *CASES["int8_linear"][0][1][1:])
+        int8_linear_op(torch.empty(1, 64, device="meta"), *CASES["int8_linear"][0][1][1:])

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-from kernels.attention import attention
-from kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
-from kernels.int8 import Int8Weight, quantize_rows
-from kernels.linear import linear, lookup_rows
-from kernels.weights import ConcatWeight, cat_weights
-from kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, run_experts
-from kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, section_ids
+from raymoe.kernels.attention import attention
+from raymoe.kernels.deltanet import causal_conv1d, delta_rule_chunked, delta_rule_recurrent, delta_rule_step
+from raymoe.kernels.int8 import Int8Weight, quantize_rows
+from raymoe.kernels.linear import linear, lookup_rows
+from raymoe.kernels.weights import ConcatWeight, cat_weights
+from raymoe.kernels.moe import combine_slots, expert_slot_outputs, route_softmax_topk, run_experts
+from raymoe.kernels.rope import apply_rope, inv_frequencies, rope_cos_sin, section_ids
 
 
 def delta_inputs(T, H=4, dk=16, dv=24, seed=0):
@@ -105,7 +105,7 @@ def test_compiled_attention_is_used_for_decode_and_is_thread_independent(monkeyp
     """A decode step's rows go through the compiled kernel (not torch's products: their results differ
     in the last bits), whatever the thread count; keys past a window and a cache ring's unordered
     positions are handled by position, as in torch."""
-    from kernels import attention as module
+    from raymoe.kernels import attention as module
     assert module._library() is not None
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 8, 64, generator=g), torch.randn(300, 2, 64, generator=g), torch.randn(300, 2, 64, generator=g)
@@ -207,14 +207,13 @@ def test_int8_rows_quantise_and_multiply_within_their_error():
 
 
 def test_rope_in_c_keeps_torchs_bits():
-    """kernels/csrc/rope.c (ops.rope, what apply_rope runs on the CPU) gives torch's expression's bits: partial
+    """kernels/csrc/rope.c (rope_op, what apply_rope runs on the CPU) gives torch's expression's bits: partial
     rotary (Qwen3.5: 64 of 256), whole heads (gpt-oss), one token and several, heads that are column views of a
     projection, and a YaRN-scaled table."""
-    from kernels import ops
-    from kernels.rope import torch_rope
+    from raymoe.kernels.rope import rope_op, torch_rope
     g = torch.Generator().manual_seed(4)
     for T, H, D, rd, scale in ((1, 16, 256, 64, 1.0), (5, 8, 64, 64, 1.3), (3, 2, 12, 12, 1.0)):
         x = torch.randn(T, H, 2 * D, generator=g)[..., :D]          # a column view, as the gated q is
         cos, sin = rope_cos_sin(torch.arange(7, 7 + T), inv_frequencies(10000.0, rd), scale)
-        assert torch.equal(ops.rope(x, cos, sin), torch_rope(x, cos, sin))
+        assert torch.equal(rope_op(x, cos, sin), torch_rope(x, cos, sin))
         assert torch.equal(apply_rope(x, cos, sin), torch_rope(x, cos, sin))

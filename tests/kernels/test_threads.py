@@ -1,7 +1,6 @@
 """Outputs do not depend on the thread count: both families, both modes, at 1, 2 and 3 torch threads,
 give the same bits (tokens, logprobs, prompt logprobs). So the default may use every core, and a
 stage may change its thread count from step to step, without changing what anyone gets."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,13 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from raymoe.kernels import pointwise
-from raymoe.stages.runtime.engine import LocalEngine
-from raymoe.stages.files.loader import open_model
-from raymoe.stages.text.sampling_params import SamplingParams
-from raymoe.tools import make_synthetic as ms
+from thread_runs import full_width, generate
 
 THREADS = (1, 2, 3)
-PROMPT_LENGTHS = [70, 5, 300, 9, 17, 33, 2, 40, 11, 6, 3, 25]
 
 
 @pytest.fixture
@@ -28,42 +23,11 @@ def threads():
     torch.set_num_threads(before)
 
 
-def generate(path: str, mode: str, n_threads: int) -> str:
-    """Prompts of many lengths (prefill chunks, batched decode of up to 12 sequences), greedy and
-    seeded; the results as JSON text, so that equal text means equal bits."""
-    torch.set_num_threads(n_threads)
-    engine = LocalEngine(open_model(path), mode=mode)
-    engine.eos_ids = set()
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for i, n in enumerate(PROMPT_LENGTHS):
-        ids = torch.randint(0, min(2000, engine.config.vocab), (n,), generator=g).tolist()
-        params = SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2, prompt_logprobs=2)
-        seqs.append(engine.add_request(f"r{i}", ids, params))
-    engine.run_until_done()
-    return json.dumps([s.result() for s in seqs])
-
-
 @pytest.mark.parametrize("mode", ["float32", "auto"])
 @pytest.mark.parametrize("model", ["tiny-qwen35moe", "tiny-gptoss"])
 def test_embedded_models_give_the_same_bits_at_any_thread_count(model, mode, threads):
     one, *others = [generate(model, mode, n) for n in THREADS]
     assert all(other == one for other in others)
-
-
-def full_width(model: str, path) -> str:
-    """Two layers of the released model's widths (one of each layer kind), with few experts and a
-    short vocabulary: the sizes where torch splits an op among its threads."""
-    spec = ms.MODELS[model]
-    cfg = spec.make_config(2, 4096)
-    if model == "qwen3.5-35b-a3b":
-        cfg = dataclasses.replace(cfg, n_expert=16, full_attention_interval=2)      # DeltaNet, then attention
-    else:
-        cfg = dataclasses.replace(cfg, n_expert=4, n_expert_used=2)
-    plan = ms.tensor_plan(spec.family, cfg, mix=spec.default_mix)
-    ms.write_synthetic(str(path), model, cfg, plan, ms.synthetic_tokenizer(spec.tokenizer_family),
-                       ms.FILE_TYPES[spec.default_mix], progress=False)
-    return str(path)
 
 
 @pytest.mark.slow
@@ -79,7 +43,9 @@ WITHOUT_FEW_ROWS = """
 import json, torch
 from raymoe.kernels import dense
 dense.few_rows = lambda: None           # as on a CPU without AVX-512 VNNI, where that kernel is not built
-from tests.test_threads import generate
+import sys
+sys.path.insert(0, 'tests')
+from thread_runs import generate
 print(json.dumps([generate("tiny-qwen35moe", "float32", n) for n in (2, 1, 2)]))
 """
 
@@ -89,7 +55,7 @@ def test_float32_without_the_few_row_kernel_keeps_its_bits():
     process on: OpenBLAS on its own threads gave other bits at one thread than at two, and so also before and after
     another library switched it to one thread (seen on an AVX2-only host)."""
     proc = subprocess.run([sys.executable, "-c", WITHOUT_FEW_ROWS], capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, one, again = json.loads(proc.stdout.splitlines()[-1])
     assert first == one == again
@@ -144,7 +110,7 @@ def test_released_openmp_workers_end_and_come_back():
     the next stage's cores), the next parallel region starts them again, and the results stay the same. In a
     fresh process, where no other thread comes or goes."""
     proc = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-2000:]
     alone, with_workers, after, again, same = proc.stdout.split()
     assert (int(with_workers), int(after), int(again), same) == (int(alone) + 2, int(alone), int(alone) + 2, "True")

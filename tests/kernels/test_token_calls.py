@@ -1,10 +1,10 @@
-"""kernels/token_calls.py: the routing in C against torch's (the layers' bits: tests/test_families.py)."""
+"""kernels/token_calls.py: the routing in C against torch's (the layers' bits: tests/stages/test_families.py)."""
 import ctypes
 
 import pytest
 import torch
 
-from kernels import token_calls
+from raymoe.kernels import token_calls
 
 
 @pytest.mark.parametrize("kind, experts, k", [(0, 256, 8), (1, 128, 8), (2, 32, 4), (0, 60, 4)])
@@ -12,7 +12,7 @@ def test_routing_in_c_gives_torch_bits(kind, experts, k):
     """The library's routing (raymoe_route, a decode token's feed-forward in one call) is torch_route's, bit for bit:
     ATen's softmax reduced over the lanes of this torch's vector kernels (16 with AVX-512, 8 with AVX2), the top k,
     Qwen's renormalisation; the lanes found at load are this torch's, and the other count gives other bits."""
-    from kernels.moe import torch_route
+    from raymoe.kernels.moe import torch_route
     lib = token_calls.library()
     capability = torch.backends.cpu.get_cpu_capability()
     lanes = token_calls.route_lanes(kind, experts, k)
@@ -41,7 +41,7 @@ def test_routing_in_c_reports_tied_scores(kind, experts, k):
     row whose k + 1 best scores hold two equal ones (the first, the k-th against the one left out), or a NaN, makes
     raymoe_route answer TIES, and a decode token's feed-forward then takes the separate calls. Ties below those
     leave the routing torch's."""
-    from kernels.moe import torch_route
+    from raymoe.kernels.moe import torch_route
     lanes = token_calls.route_lanes(kind, experts, k)
     if lanes is None:
         return
@@ -72,7 +72,7 @@ def test_routing_in_c_reports_tied_scores(kind, experts, k):
 def test_output_gate_in_c_gives_torch_bits():
     """Qwen's attention output gate in C (`x * sigmoid(g)`, token_calls.TokenAttention) has torch's bits on this
     torch's vector kernels, over the whole range of gates (their load-time check, gate_matches, compares the same)."""
-    from kernels.pointwise import sigmoid
+    from raymoe.kernels.pointwise import sigmoid
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return
     assert token_calls.gate_matches()
@@ -88,9 +88,9 @@ def test_c_time_splits_a_decode_step(tmp_path):
     """tools/c_time.py times every compiled call of a decode step: a tiny Qwen3.5 file's batch-1 step makes one
     mixer call and one feed-forward call a layer (--separate: the calls of the pieces instead), and the libraries'
     functions are theirs again afterwards."""
-    from kernels import blocks
-    from tools import c_time
-    from tools.make_tiny import make_tiny
+    from raymoe.kernels import blocks
+    from raymoe.tools import c_time
+    from raymoe.tools.make_tiny import make_tiny
     path = make_tiny("qwen35moe", str(tmp_path), gguf_type="q8_0")
     layers = 8         # tools/make_tiny.py's qwen35moe
     fused = c_time.measure(path, 3, threads=1)

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.int8 import Int8Weight, quantize_rows
-from kernels.dense import _few_rows_f32
-from kernels.linear import grouped_linear, linear
-from kernels import dense
-from kernels.native import SOURCE, few_rows, int8_rows, load_source, with_few_rows
+from raymoe.kernels.int8 import Int8Weight, quantize_rows
+from raymoe.kernels.dense import _few_rows_f32
+from raymoe.kernels.linear import grouped_linear, linear
+from raymoe.kernels import dense
+from raymoe.kernels.native import SOURCE, few_rows, int8_rows, load_source, with_few_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 lib = few_rows()
 needs_lib = pytest.mark.skipif(lib is None, reason="no C compiler or neither AVX2 nor AVX-512 here (kernels/native.py)")
 needs_int8 = pytest.mark.skipif(int8_rows() is None, reason="no C compiler or no AVX-512 VNNI here (kernels/native.py)")
