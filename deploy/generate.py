@@ -26,7 +26,7 @@ from raymoe.cluster.engine_args import EngineArgs, add_engine_flags
 from raymoe.deploy.results_file import LineReader, ResultWriter, id_key, local_jsonl, read_lines
 from raymoe.stages.text.chat import load_chat_template
 from raymoe.stages.errors import RaymoeError, RequestError
-from raymoe.stages.text.tool_calls import split_chat_result
+from raymoe.stages.text.answers import split_chat_result
 from raymoe.stages.text.sampling_params import SamplingParams
 
 

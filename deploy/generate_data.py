@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from raymoe.deploy.results_file import ResultWriter, id_key, local_jsonl, parse_line
 from raymoe.stages.errors import RaymoeError
-from raymoe.stages.text.tool_calls import split_chat_result
+from raymoe.stages.text.answers import split_chat_result
 
 # A Parquet output's columns: nested values (logprobs, tool_calls) as their JSON text, the id as text.
 RESULT_FIELDS = ("id", "prompt_token_ids", "token_ids", "text", "reasoning_content", "tool_calls", "finish_reason",

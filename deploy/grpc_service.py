@@ -17,7 +17,8 @@ import grpc
 
 from raymoe.deploy.openai_api import APIError, TextDeltas, check_text_size, usage
 from raymoe.stages.errors import RequestError
-from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, output_parser, split_answer
+from raymoe.stages.text.answers import output_parser
+from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, split_answer
 from raymoe.stages.text.requests import check_prompt, prompt_ids
 from raymoe.stages.text.structured import MAX_SCHEMA_BYTES, check_grammar, output_grammar
 

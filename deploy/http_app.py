@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from raymoe.deploy.api_schema import openapi_document
 from raymoe.deploy.grpc_service import RaymoeServicer
 from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
-                               models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize, sse,
-                               usage_chunk)
+                                      models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
+                                      sse, usage_chunk)
 from raymoe.deploy.responses_api import ResponseItems, error_event, parse_responses, response_body, response_sse
 from raymoe.deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
 from raymoe.protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
@@ -405,7 +405,7 @@ class RaymoeServer:
 
 
 def app_builder(args: ServeArgs):
-    """The Serve application for `serve run deploy.serve:app_builder ...` and Serve configs."""
+    """The Serve application for `serve run raymoe.deploy.serve:app_builder ...` and Serve configs."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
     # a template file is read here (the driver), where its path means what the user meant

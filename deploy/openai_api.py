@@ -18,7 +18,8 @@ from raymoe.stages.text.requests import chat_prompt, check_prompt
 from raymoe.stages.text.sampling_params import MAX_N, SamplingParams
 from raymoe.stages.runtime.sampler import choice_seed
 from raymoe.stages.text.structured import output_grammar, response_schema
-from raymoe.stages.text.tool_calls import TOOL_CALLS, chat_parsers, split_message, tool_calls_reader
+from raymoe.stages.text.answers import chat_parsers, split_message, tool_calls_reader
+from raymoe.stages.text.tool_calls import TOOL_CALLS
 from raymoe.stages.text.tools import TOOL_FIELDS, ToolRequest, tool_request
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import uuid
 
-from raymoe.deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields, check_result,
-                               parse_chat)
+from raymoe.deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields,
+                                      check_result, parse_chat)
 from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from raymoe.stages.text.tool_calls import TOOL_CALLS, tool_calls_reader
+from raymoe.stages.text.answers import tool_calls_reader
+from raymoe.stages.text.tool_calls import TOOL_CALLS
 
 RESPONSES_FIELDS = IGNORED_FIELDS | {
     "model", "input", "instructions", "reasoning", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

@@ -2,7 +2,7 @@
 both over one pipeline (a coordinator and its PP stage actors, optionally expert actors).
 
     python -m raymoe.deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000] [--api-key KEY]
-    serve run deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI
+    serve run raymoe.deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI
     serve deploy deploy/configs/serve.yaml                              # or from a Serve config
 
 HTTP: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent
@@ -42,7 +42,7 @@ APP_NAME = "raymoe"
 # Serve's controller to stop everything after that (serve.shutdown alone would wait up to 30 s); docs/shutdown.md
 STOP_TIMEOUT_S = 6.0
 SERVE_SHUTDOWN_TIMEOUT_S = 6.0
-__all__ = ["app_builder", "ServeArgs", "main"]    # app_builder: `serve run deploy.serve:app_builder`, Serve configs
+__all__ = ["app_builder", "ServeArgs", "main"]    # app_builder: `serve run raymoe.deploy.serve:app_builder`, Serve configs
 
 
 # ---- python -m raymoe.deploy.serve -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ STOP_GRACE_S = 2.0                    # stopping: how long requests in flight ge
 
 @pydantic.dataclasses.dataclass(config=pydantic.ConfigDict(extra="forbid"))     # a misspelt arg fails
 class ServeArgs(EngineArgs):
-    """Arguments of the application (`serve run deploy.serve:app_builder key=value ...`, or `args:` in a
+    """Arguments of the application (`serve run raymoe.deploy.serve:app_builder key=value ...`, or `args:` in a
     Serve config): the engine's (cluster.engine_args.EngineArgs), with the server's defaults, and the server's."""
     model: str = "tiny-qwen35moe"
     microbatches: int | None = None          # None: --pp (one group per stage)

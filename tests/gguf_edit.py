@@ -38,3 +38,32 @@ def rewrite_gguf(src: str, dst: str, *, drop=(), reshape=None, retype=None, set_
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def add_special_tokens(src: str, dst: str, tokens: list[str]):
+    """Copy src (float32 embedding and output) to dst with `tokens` appended to its vocabulary as special
+    (control) tokens, each with an embedding row and an output row (copies of the first token's)."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    names = reader.fields["tokenizer.ggml.tokens"].contents() + list(tokens)
+    types = reader.fields["tokenizer.ggml.token_type"].contents() + [gguf.TokenType.CONTROL] * len(tokens)
+    writer = gguf.GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = {"tokenizer.ggml.tokens": names, "tokenizer.ggml.token_type": types,
+                 f"{arch}.vocab_size": len(names)}.get(name, field.contents())
+        vtype = field.types[0]
+        writer.add_key_value(name, value, vtype, sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name in ("token_embd.weight", "output.weight"):
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+            data = np.concatenate([data, np.repeat(data[:1], len(tokens), 0)])
+        typed = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        writer.add_tensor(t.name, data, raw_dtype=None if typed else t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

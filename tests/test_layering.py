@@ -101,3 +101,12 @@ def test_raymoe_imports_beside_hugging_face_kernels(tmp_path):
             "assert raymoe.kernels.__file__.startswith(sys.argv[1]), raymoe.kernels.__file__\n"
             "assert tuple(map(int, transformers.__version__.split('.')[:2])) >= (5, 25), transformers.__version__\n")
     subprocess.run([sys.executable, "-c", "import sys\n" + code, ROOT], cwd=tmp_path, check=True)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists every package folder (a new one left out would be missing from a wheel)."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    folders = {"raymoe." + m for m, path in MODULES.items() if path.endswith("__init__.py")}
+    assert folders == listed, (sorted(folders - listed), sorted(listed - folders))

@@ -97,6 +97,7 @@ class Family:
     arch: str                           # GGUF general.architecture
     hf_model_types: tuple[str, ...]     # config.json model_type values it reads
     tokenizer_pre: str                  # tokenizer.ggml.pre that deploy.convert writes
+    chat_format: str                    # its chat format (stages/text/formats/registry.py), where a template does not say
     config_from_gguf: Callable          # (metadata, where) -> config (a ModelConfig)
     config_from_hf: Callable            # (config.json dict, where) -> config
     gguf_metadata: Callable             # config -> its `<arch>.*` GGUF keys (the inverse of config_from_gguf)

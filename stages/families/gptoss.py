@@ -215,6 +215,6 @@ def gguf_metadata(cfg: GptOssConfig) -> dict:
     return meta
 
 
-FAMILY = Family(arch=ARCH, hf_model_types=("gpt_oss",), tokenizer_pre=TOKENIZER_PRE, config_from_gguf=config_from_gguf,
-                config_from_hf=config_from_hf, gguf_metadata=gguf_metadata, hf_weights=GptOssHFWeights,
-                layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)
+FAMILY = Family(arch=ARCH, hf_model_types=("gpt_oss",), tokenizer_pre=TOKENIZER_PRE, chat_format="harmony",
+                config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
+                hf_weights=GptOssHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)

@@ -98,5 +98,5 @@ def gguf_metadata(cfg: Qwen35MoeConfig) -> dict:
 
 
 FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"), tokenizer_pre=TOKENIZER_PRE,
-                config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
-                hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)
+                chat_format="qwen_xml", config_from_gguf=config_from_gguf, config_from_hf=config_from_hf,
+                gguf_metadata=gguf_metadata, hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)

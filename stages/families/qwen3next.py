@@ -105,6 +105,6 @@ def gguf_metadata(cfg: Qwen3NextConfig) -> dict:
             "expert_shared_feed_forward_length": cfg.shared_ff, "full_attention_interval": cfg.full_attention_interval}
 
 
-FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_next",), tokenizer_pre=TOKENIZER_PRE,
+FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_next",), tokenizer_pre=TOKENIZER_PRE, chat_format="hermes",
                 config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
                 hf_weights=Qwen3NextHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)

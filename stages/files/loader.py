@@ -232,6 +232,7 @@ def open_model(model: str, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) ->
         source = gguf
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         defaults = sampling_defaults(path, gguf.metadata)
+    tokenizer.family_chat_format = family.chat_format
     if max_model_len is not None and max_model_len < 2:
         raise ModelFormatError(f"--max-model-len {max_model_len} must be at least 2")
     if max_model_len is not None:

@@ -1,1 +1,2 @@
-"""Text and requests: tokenizer, detokenizer, chat templates, tools, reasoning and tool-call parsers, grammars, request checks."""
+"""Text and requests: tokenizer, detokenizer, chat templates and formats (formats/: reasoning, tool calls and
+grammars of each), structured outputs, request checks."""

@@ -6,7 +6,8 @@ GPU): it compiles JSON schemas and Lark grammars against the model's own tokeniz
 mask of the tokens allowed next in microseconds. A grammar is Lark text in llguidance's syntax,
 written here for the whole output the model writes, in its chat format: reasoning first (free text,
 ended by Qwen's `</think>` or a harmony analysis message), then the answer (the JSON, or the tool
-call in the family's own form), then the end token, after which the grammar allows nothing more,
+call in the form the chat template teaches: stages/text/formats/),
+then the end token, after which the grammar allows nothing more,
 so the sequence stops with finish_reason "stop". Special tokens are named by id (`<[id]>`).
 
 The mask is applied on the last stage, where sampling happens (stages/runtime/sampler.py): `Matchers` keeps
@@ -17,20 +18,19 @@ every PP, EP and transport.
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 
 from raymoe.stages.errors import RequestError, check_json_size
-from raymoe.stages.text.reasoning import REASONING, HarmonyParser, ThinkParser, output_parser
+from raymoe.stages.text.formats.hermes import Hermes
+from raymoe.stages.text.formats.registry import chat_format
+from raymoe.stages.text.grammar import (Writer, call_schema, check_schema, end_token, error_line, json_rule,
+                                        llg_tokenizer, llguidance)
 from raymoe.stages.text.tools import FUNCTION_NAME, ToolRequest
 
 MAX_SCHEMA_BYTES = 256 * 1024        # one JSON schema (response_format), as JSON
 MAX_GRAMMAR_BYTES = 1024 * 1024      # a whole grammar (with every forced tool's schema)
 FORMATS = ("text", "json_object", "json_schema")
-# How the JSON is laid out: one space after ':' and ',' (as Python's json.dumps, and as models mostly
-# write it), no other whitespace, so that a sampled answer cannot run on in spaces and newlines.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-FREE_TEXT = "/(.|\\n)*/"             # reasoning: any text (special tokens end it)
+PLAIN = Hermes()                     # a forced call in a plain-text answer: the hermes JSON form
 
 
 def response_schema(fmt) -> dict | None:
@@ -70,133 +70,25 @@ def response_schema(fmt) -> dict | None:
     return schema
 
 
-def _llg():
-    import llguidance          # imported on use: only structured requests need it
-    return llguidance
-
-
-def llg_tokenizer(tokenizer):
-    """llguidance's view of the model's tokenizer (built once per tokenizer: ~1 s for a 200k vocabulary)."""
-    cached = getattr(tokenizer, "_llg_tokenizer", None)
-    if cached is None:
-        end = end_token(tokenizer)
-        cached = _llg().LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=end)
-        tokenizer._llg_tokenizer = cached
-    return cached
-
-
-def end_token(tokenizer) -> int:
-    """The token that ends an answer: ChatML's <|im_end|>, else the model's end-of-sequence token."""
-    end = tokenizer.special_tokens.get("<|im_end|>", tokenizer.eos_token_id)
-    if end is None and tokenizer.eos_token_ids:
-        end = tokenizer.eos_token_ids[0]
-    if end is None:
-        raise RequestError("this model has no end-of-sequence token: structured outputs need one")
-    return end
-
-
-def _error_line(message: str) -> str:
-    """llguidance's error, the line that says what is wrong (it adds the grammar's text and a caret)."""
-    line = next((ln.strip() for ln in message.splitlines() if ln.strip()), message)
-    if line.startswith("at ") and ": " in line:       # "at 1(8): ..." is a place in our Lark text
-        line = line.split(": ", 1)[1]
-    return line[:500]
-
-
-def check_schema(schema: dict, tokenizer, field: str):
-    """RequestError naming `field` when llguidance cannot compile the JSON schema (an unknown type or
-    format, a bad $ref, a keyword it does not implement, ...)."""
-    llg = _llg()
-    try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(_laid_out(schema))
-    except (ValueError, TypeError) as e:
-        raise RequestError(f"{field}: {_error_line(str(e))}") from None
-    error = llg.LLMatcher.validate_grammar(grammar, llg_tokenizer(tokenizer))
-    if error:
-        raise RequestError(f"{field}: {_error_line(error)}")
-
-
 def check_grammar(grammar, tokenizer):
     """RequestError unless `grammar` is Lark text that llguidance compiles for this tokenizer."""
     if not isinstance(grammar, str) or not grammar.strip():
         raise RequestError("grammar must be a non-empty string (a Lark grammar in llguidance's syntax)")
     if len(grammar.encode("utf-8")) > MAX_GRAMMAR_BYTES:
         raise RequestError(f"grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
-    llg = _llg()
+    llg = llguidance()
     error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar), llg_tokenizer(tokenizer))
     if error:
-        raise RequestError(f"grammar: {_error_line(error)}")
+        raise RequestError(f"grammar: {error_line(error)}")
 
 
 # ---- grammars -------------------------------------------------------------------------------------
-
-def _laid_out(schema: dict) -> dict:
-    """The schema with JSON_LAYOUT as its llguidance options (its own x-guidance, if any, wins)."""
-    own = schema.get("x-guidance")
-    return {**schema, "x-guidance": {**JSON_LAYOUT, **(own if isinstance(own, dict) else {})}}
-
-
-def _json(schema: dict) -> str:
-    return "%json " + json.dumps(_laid_out(schema), ensure_ascii=False)
-
-
-class _Writer:
-    """Lark pieces for one tokenizer: a marker text is its token when the tokenizer has it as an added
-    token (llguidance matches those only by id), else the text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.added = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
-
-    def text(self, text: str) -> str:
-        """`text` as the model would write it: the added tokens in it by id, the rest as strings."""
-        out, rest = [], text
-        while rest:
-            at, token = min(((rest.find(t), t) for t in self.added if t in rest), default=(-1, None))
-            if token is None:
-                out.append(json.dumps(rest, ensure_ascii=False))
-                break
-            if at:
-                out.append(json.dumps(rest[:at], ensure_ascii=False))
-            out.append(f"<[{self.added[token]}]>")
-            rest = rest[at + len(token):]
-        return " ".join(out)
-
-    def token(self, name: str) -> str:
-        return f"<[{self.tokenizer.special_tokens[name]}]>"
-
-
-def _call_schema(tools: ToolRequest, name: str) -> dict:
-    return tools.parameters(name) or {"type": "object"}
-
 
 def _forced(tools: ToolRequest | None) -> list[str]:
     """The names of the functions a call must be to (none when tool_choice does not force one)."""
     if tools is None or not tools.active or tools.choice not in ("required", "function"):
         return []
     return [tools.name] if tools.choice == "function" else [t["function"]["name"] for t in tools.tools]
-
-
-def _text_calls(w: _Writer, tools: ToolRequest, names: list[str]) -> list[str]:
-    """Qwen's `<tool_call>` with the JSON form {"name", "arguments"} (stages/text/tool_calls.py reads both
-    forms; this one a JSON schema says whole), one call, or one or more with parallel_tool_calls."""
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _call_schema(tools, n)},
-              "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    more = f" ({w.text(chr(10))} call)*" if tools.parallel and tools.choice == "required" else ""
-    return [f"answer: call{more}",
-            f"call: {w.text('<tool_call>' + chr(10))} {_json(schema)} {w.text(chr(10) + '</tool_call>')}"]
-
-
-def _harmony_calls(w: _Writer, tools: ToolRequest, names: list[str]) -> list[str]:
-    """A harmony message to functions.NAME on the commentary channel, its body the arguments (gpt-oss
-    ends its turn at <|call|>: one call)."""
-    rules = [f"answer: {' | '.join(f'call_{i}' for i in range(len(names)))}"]
-    for i, n in enumerate(names):
-        rules.append(f"call_{i}: {w.token('<|channel|>')} {w.text(f'commentary to=functions.{n} ')} "
-                     f"{w.token('<|constrain|>')} {w.text('json')} {w.token('<|message|>')} "
-                     f"{_json(_call_schema(tools, n))} {w.token('<|call|>')}")
-    return rules
 
 
 def output_grammar(tokenizer, prompt_ids: list[int], schema: dict | None, tools: ToolRequest | None,
@@ -210,46 +102,18 @@ def output_grammar(tokenizer, prompt_ids: list[int], schema: dict | None, tools:
     if schema is None and not names:
         return None
     for name in names:           # each part alone first, for an error that names it
-        check_schema(_call_schema(tools, name), tokenizer, f"tools: the parameters of {name}")
+        check_schema(call_schema(tools, name), tokenizer, f"tools: the parameters of {name}")
     if schema is not None and not names:
         check_schema(schema, tokenizer, schema_field)
-    w = _Writer(tokenizer)
-    parser = output_parser(tokenizer, prompt_ids, tool_calls=bool(names)) if chat else None
-    if isinstance(parser, HarmonyParser):
-        return _harmony(w, parser, schema, tools, names)
-    rules = _text_calls(w, tools, names) if names else [f"answer: {_json(schema)}"]
+    w = Writer(tokenizer)
+    fmt = chat_format(tokenizer) if chat else None
+    parser = fmt.parser(tokenizer, prompt_ids, tool_calls=bool(names)) if fmt is not None else None
     end = f"<[{end_token(tokenizer)}]>"
-    if isinstance(parser, ThinkParser) and parser.field == REASONING:
-        # Qwen3.5's generation prompt opened <think>: free reasoning, </think>, then the answer
-        start = f"start: {FREE_TEXT} <[{parser.end}]> /\\n{{0,2}}/ answer {end}"
-    else:
-        start = f"start: answer {end}"
-    return "\n".join([start, *rules])
-
-
-def _harmony(w: _Writer, parser: HarmonyParser, schema, tools, names) -> str:
-    """gpt-oss: an optional analysis message, then a final message holding the JSON, ended by <|return|>
-    (or the call, ended by <|call|>), whatever state the prompt leaves the output in."""
-    start, message, channel, end = (w.token(t) for t in ("<|start|>", "<|message|>", "<|channel|>", "<|end|>"))
-    next_message = f"{end} {start} {w.text('assistant')}"
-    if names:
-        rules = _harmony_calls(w, tools, names)
-        body = "answer"
-    else:
-        constrain = f"({w.text(' ')} {w.token('<|constrain|>')} {w.text('json')})?"
-        rules = [f"answer: {_json(schema)}"]
-        body = f"{channel} {w.text('final')} {constrain} {message} answer {w.token('<|return|>')}"
-    analysis = f"{channel} {w.text('analysis')} {message} {FREE_TEXT} {next_message}"
-    if parser.header is not None:          # at a header: the prompt ended in <|start|>assistant (or a message's end)
-        opening = "" if parser.header else f"{start} {w.text('assistant')} "
-        top = f"start: {opening}({analysis})? {body}"
-    elif parser.field == REASONING:        # inside an analysis message
-        top = f"start: {FREE_TEXT} {next_message} {body}"
-    elif names:                            # inside another message: end it, then call
-        top = f"start: {FREE_TEXT} {next_message} {body}"
-    else:                                  # inside the final message: the JSON continues it
-        top = f"start: answer {w.token('<|return|>')}"
-    return "\n".join([top, *rules])
+    if parser is None:              # the answer alone (a forced call in the hermes form), then the end token
+        rules = PLAIN.call_rules(w, tools, names) if names else [f"answer: {json_rule(schema)}"]
+        return "\n".join([f"start: answer {end}", *rules])
+    rules = fmt.call_rules(w, tools, names) if names else [f"answer: {json_rule(schema)}"]
+    return fmt.grammar(w, parser, rules, bool(names), end)
 
 
 # ---- the last stage's matchers ----------------------------------------------------------------------
@@ -266,13 +130,13 @@ class Matchers:
         self.compiled: OrderedDict[str, object] = OrderedDict()   # grammar -> a fresh matcher to copy
 
     def _fresh(self, grammar: str):
-        llg = _llg()
+        llg = llguidance()
         matcher = self.compiled.get(grammar)
         if matcher is None:
             matcher = llg.LLMatcher(llg_tokenizer(self.tokenizer), llg.LLMatcher.grammar_from_lark(grammar),
                                     log_level=0)
             if matcher.is_error():
-                raise RequestError(f"grammar: {_error_line(matcher.get_error())}")
+                raise RequestError(f"grammar: {error_line(matcher.get_error())}")
             self.compiled[grammar] = matcher
             if len(self.compiled) > self.MAX_COMPILED:
                 self.compiled.popitem(last=False)
@@ -289,7 +153,7 @@ class Matchers:
         _, matcher, consumed = state
         new = output_ids[len(consumed):]
         if new and not matcher.consume_tokens(new):
-            raise RuntimeError(f"the output left its grammar: {_error_line(matcher.get_error())}")
+            raise RuntimeError(f"the output left its grammar: {error_line(matcher.get_error())}")
         self.state[seq_id] = (grammar, matcher, list(output_ids))
         return matcher
 
@@ -318,7 +182,7 @@ class Matchers:
         for i, some in enumerate(bits.any(axis=1).tolist()):
             if out[i] is None:
                 out[i] = allowed[i] if some else \
-                    f"the grammar allows no token: {_error_line(matchers[i].get_error()) or 'it has ended'}"
+                    f"the grammar allows no token: {error_line(matchers[i].get_error()) or 'it has ended'}"
         return out
 
     def release(self, seq_id: int):

@@ -80,7 +80,10 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.add_bos = add_bos
         self.chat_template = chat_template
-        self.chat_template_kwargs: dict = {}     # a server's default template variables (stages.text.requests.chat_prompt)
+        # a server's default template variables (stages.text.requests.chat_prompt)
+        self.chat_template_kwargs: dict = {}
+        # the chat format of the model's family (Family.chat_format), for templates that do not say theirs
+        self.family_chat_format: str | None = None
         # Ids may have holes (padded vocabularies), so the size is at least the largest id + 1.
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         if vocab_size is not None:

@@ -128,8 +128,8 @@ def test_a_bad_flag_ends_the_job_with_one_line(tmp_path, capsys):
 @pytest.mark.cluster
 def test_device_cuda_on_a_cluster_without_gpus_is_refused_at_once():
     """One line naming the need and what Ray has, before any actor starts or any weight is read."""
-    code = ("import ray, sys; from cluster.engine import ClusterEngine, EngineArgs\n"
-            "from stages.errors import RaymoeError\n"
+    code = ("import ray, sys; from raymoe.cluster.engine import ClusterEngine, EngineArgs\n"
+            "from raymoe.stages.errors import RaymoeError\n"
             "ray.init(address='local', num_cpus=2, num_gpus=0, include_dashboard=False, logging_level='ERROR')\n"
             "try:\n    ClusterEngine(EngineArgs(sys.argv[1], pp=2, device='cuda'))\nexcept RaymoeError as e:\n"
             "    print(e)\n")

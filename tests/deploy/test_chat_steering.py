@@ -12,7 +12,8 @@ from raymoe.deploy.openai_api import APIError, parse_chat, parse_tokenize
 from raymoe.stages.text.chat import MAX_TEMPLATE_KWARGS, check_template_kwargs, load_chat_template
 from raymoe.stages.errors import RaymoeError, RequestError
 from raymoe.stages.files.loader import open_model
-from raymoe.stages.text.reasoning import CONTENT, REASONING, output_parser, split_answer
+from raymoe.stages.text.answers import output_parser
+from raymoe.stages.text.reasoning import CONTENT, REASONING, split_answer
 from raymoe.stages.text.requests import chat_prompt, prompt_ids
 
 

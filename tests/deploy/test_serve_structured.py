@@ -15,7 +15,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from chat_templates import GPTOSS, QWEN35
 from serve_util import free_port
 from raymoe.stages.files.loader import open_model
-from raymoe.stages.text.tool_calls import split_chat_result
+from raymoe.stages.text.answers import split_chat_result
 from tool_scripts import HARMONY_AFTER, HARMONY_CALL, QWEN_AFTER, QWEN_CALL
 from structured_cases import ASK, SCHEMAS, TOOLS, reasoning_end_bias, response_format
 

@@ -146,8 +146,8 @@ def test_linear_routes_rows_and_strided_views():
 
 def test_without_a_compiler_products_fall_back():
     """CC pointing at a failing compiler: one warning naming the problem, and products still right."""
-    code = ("import gguf, torch; from kernels.native import few_rows; from kernels.linear import linear;"
-            "from kernels import blocks; from kernels.weights import BlockWeight;"
+    code = ("import gguf, torch; from raymoe.kernels.native import few_rows; from raymoe.kernels.linear import linear;"
+            "from raymoe.kernels import blocks; from raymoe.kernels.weights import BlockWeight;"
             "assert few_rows() is None and blocks.library() is None; x, w = torch.randn(3, 64), torch.randn(8, 64);"
             "assert torch.allclose(linear(x, w), x @ w.T, atol=1e-5);"
             "q = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0));"

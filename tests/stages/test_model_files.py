@@ -198,8 +198,8 @@ def test_split_files_open_from_their_first_part(f32_file, tmp_path):
 def test_a_model_too_big_for_the_cluster_is_refused_at_once(f32_file):
     """A cluster with 64 MiB of memory: one line naming the need, what Ray has, and what to change,
     before any weight is read."""
-    code = ("import ray, sys; from cluster.engine import ClusterEngine, EngineArgs\n"
-            "from stages.errors import RaymoeError\n"
+    code = ("import ray, sys; from raymoe.cluster.engine import ClusterEngine, EngineArgs\n"
+            "from raymoe.stages.errors import RaymoeError\n"
             "ray.init(address='local', num_cpus=2, _memory=64 << 20, include_dashboard=False, logging_level='ERROR')\n"
             "try:\n    ClusterEngine(EngineArgs(sys.argv[1], pp=2))\nexcept RaymoeError as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code, f32_file], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -215,7 +215,8 @@ def test_a_full_width_file_loads_within_its_bytes_plus_a_gigabyte(tmp_path):
     path = str(tmp_path / "qwen-2l.gguf")
     subprocess.run([sys.executable, "-m", "raymoe.tools.make_synthetic", "--model", "qwen3.5-35b-a3b", "--layers", "2",
                     "--out", path], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    code = ("import resource, sys, torch; from stages.files.loader import open_model; from stages.runtime.stage import Stage\n"
+    code = ("import resource, sys, torch; from raymoe.stages.files.loader import open_model\n"
+            "from raymoe.stages.runtime.stage import Stage\n"
             "m = open_model(sys.argv[1]); s = Stage(m, range(m.n_layers))\n"
             "print(s.parameter_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
     proc = subprocess.run([sys.executable, "-c", code, path], cwd=ROOT, capture_output=True, text=True, timeout=300)

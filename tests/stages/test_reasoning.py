@@ -9,8 +9,9 @@ import pytest
 from raymoe.deploy.openai_api import Prepared, StreamFormatter, TokenText, chat_message
 from raymoe.stages.text.chat import render_chat
 from raymoe.stages.files.loader import open_model
-from raymoe.stages.text.reasoning import (CONTENT, MAX_HEADER_TOKENS, REASONING, SplitText, output_parser, split_answer,
-                              split_result)
+from raymoe.stages.text.answers import output_parser, split_result
+from raymoe.stages.text.formats.harmony import MAX_HEADER_TOKENS
+from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, split_answer
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sequence import Sequence
 

@@ -13,7 +13,8 @@ from raymoe.stages.runtime.engine import LocalEngine
 from raymoe.stages.errors import RequestError
 from raymoe.stages.files.loader import open_model, sampling_defaults
 from raymoe.stages.text.requests import sampling_params
-from raymoe.stages.runtime.sampler import ChunkSampling, adjust_logits, choice_seed, sample_chunks, sample_token, uniform
+from raymoe.stages.runtime.sampler import (ChunkSampling, adjust_logits, choice_seed, sample_chunks, sample_token,
+                                           uniform)
 from raymoe.stages.text.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MODEL = "tiny-qwen35moe"

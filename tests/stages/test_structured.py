@@ -14,7 +14,8 @@ from raymoe.deploy.openai_api import APIError, parse_chat
 from raymoe.stages.runtime.engine import LocalEngine
 from raymoe.stages.errors import RequestError
 from raymoe.stages.files.loader import open_model
-from raymoe.stages.text.reasoning import output_parser, split_answer
+from raymoe.stages.text.answers import output_parser
+from raymoe.stages.text.reasoning import split_answer
 from raymoe.stages.text.requests import chat_prompt, line_grammar
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.text.structured import Matchers, output_grammar
@@ -73,7 +74,7 @@ def test_answers_validate_at_temperature_1(model, name):
 
 
 def test_a_forced_call_is_a_call_with_valid_arguments(model):
-    from raymoe.stages.text.tool_calls import split_chat_result
+    from raymoe.stages.text.answers import split_chat_result
     tok = model.tokenizer
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         line = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}

@@ -9,7 +9,8 @@ import tokenizers
 from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
 from raymoe.stages.errors import ModelFormatError
 from raymoe.stages.files.gguf_file import GGUFFile
-from raymoe.stages.text.tokenizer import QWEN2_SPLIT, QWEN35_SPLIT, Tokenizer, gguf_tokenizer_fields, write_tokenizer_to_gguf
+from raymoe.stages.text.tokenizer import (QWEN2_SPLIT, QWEN35_SPLIT, Tokenizer, gguf_tokenizer_fields,
+                                          write_tokenizer_to_gguf)
 
 FAMILIES = {"qwen35moe": "qwen35", "gptoss": "gpt-4o"}  # family -> GGUF pre-type
 

@@ -20,7 +20,8 @@ from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.requests import chat_prompt, prompt_ids
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sequence import Sequence
-from raymoe.stages.text.tool_calls import parse_text_call, split_chat_result
+from raymoe.stages.text.answers import split_chat_result
+from raymoe.stages.text.formats.qwen_xml import QwenXML
 from raymoe.stages.text.tools import MAX_TOOLS, ToolRequest, check_tools, tool_request
 
 WEATHER = {"type": "function", "function": {
@@ -209,6 +210,11 @@ def test_qwen_parallel_calls_in_both_forms_with_text_before(qwen):
     single = answer(qwen, "Hmm.\n</think>\n\n" + XML + "\n" + JSON_CALL + "<|im_end|>",
                     body={"parallel_tool_calls": False})
     assert without_ids(single["message"]["tool_calls"]) == [call("get_weather", {"city": "Paris", "days": 2})]
+
+
+def parse_text_call(block: str, tools):
+    """Qwen3.5's reading of a whole `<tool_call>...</tool_call>` block."""
+    return QwenXML().parse_call(block.removeprefix("<tool_call>").removesuffix("</tool_call>").strip(), tools)
 
 
 def test_qwen_xml_values_follow_the_schema():
