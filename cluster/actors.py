@@ -18,6 +18,7 @@ from raymoe.kernels.threads import loading_threads, node_cores, release_openmp_w
 from raymoe.kernels.weights import rows_computed_alone
 from raymoe.stages.errors import RaymoeError
 from raymoe.stages.files.loader import open_model
+from raymoe.stages.layers.moe import MoESpec
 from raymoe.stages.runtime.engine import split_layers
 from raymoe.stages.runtime.memory import GiB, prefix_shares, stage_need
 from raymoe.stages.runtime.stage import Stage, StageWeights
@@ -70,8 +71,9 @@ class ExpertActor:
         self.device, self.mode = torch.device(args.device), args.dtype
         with loading_threads(args.dtype):
             w = StageWeights(model, model.expected_shapes(range(*layers), False, False), args.dtype, device=args.device)
-            spec = model.family.moe_spec(model.config)
-            self.experts = {i: spec.load_experts(w, i, range(*experts)) for i in range(*layers)}
+            specs = {i: model.family.layer_ffn(model.config, i) for i in range(*layers)}
+            self.experts = {i: spec.load_experts(w, i, range(*experts)) for i, spec in specs.items()
+                            if isinstance(spec, MoESpec)}
             w.finish()
         if self.device.type == "cpu":
             keep_freed_memory()

@@ -1,4 +1,5 @@
 """Helpers of the serving tests: free ports, a `python -m raymoe.deploy.serve` subprocess, its process tree."""
+import contextlib
 import http.client
 import json
 import os
@@ -172,3 +173,31 @@ class ServerProcess:
                 pass
             self.proc.wait(timeout=30)
         self.log.close()
+
+
+@contextlib.contextmanager
+def running_server(log, *flags: str, model: str = "tiny-qwen35moe"):
+    """A `raymoe.deploy.serve` process, ready; killed (with its tree) on leaving."""
+    proc = ServerProcess(log, *flags, model=model)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.kill()
+
+
+@contextlib.contextmanager
+def serve_apps(apps: dict[str, dict]):
+    """Serve apps in this process's Ray cluster, one per route prefix (prefix -> app_builder's arguments), with
+    HTTP on a free localhost port; yields its base URL; Serve is shut down on leaving."""
+    from ray import serve
+
+    from raymoe.deploy.serve import app_builder
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for prefix, args in apps.items():
+            serve.run(app_builder(args), name="app" + prefix.replace("/", "-"), route_prefix=prefix)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()

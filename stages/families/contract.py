@@ -4,14 +4,16 @@ docs/families.md says how to add a family."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Generic, Protocol, TypeVar, Union
 
 import torch
 
-from raymoe.stages.layers.cache import KVCache
 from raymoe.stages.errors import ModelFormatError
+from raymoe.stages.files.safetensors_dir import HFWeights, SafetensorsDir
+from raymoe.stages.layers.cache import KVCache
 from raymoe.stages.layers.block import Block
-from raymoe.stages.layers.moe import MoE, MoESpec
+from raymoe.stages.layers.dense_ffn import DenseFFNSpec
+from raymoe.stages.layers.moe import MoESpec
 
 
 @dataclass
@@ -30,8 +32,8 @@ class ModelConfig:
     expert_ff: int
     context_length: int
 
-    POSITIVE = ("n_layers", "hidden", "vocab", "n_head", "n_kv_head", "head_dim", "n_expert", "n_expert_used",
-                "expert_ff", "context_length")
+    POSITIVE: ClassVar[tuple[str, ...]] = ("n_layers", "hidden", "vocab", "n_head", "n_kv_head", "head_dim",
+                                           "n_expert", "n_expert_used", "expert_ff", "context_length")
 
     def validate(self, where: str):
         for name in self.POSITIVE:
@@ -89,8 +91,12 @@ class MixerSpec(Protocol):
         """The mixer of the layer whose tensors start with `p` (see Block for what it provides)."""
 
 
+C = TypeVar("C", bound=ModelConfig)     # a family's own config
+FFNSpec = Union[MoESpec, DenseFFNSpec]   # what a layer's feed-forward is
+
+
 @dataclass(frozen=True)
-class Family:
+class Family(Generic[C]):
     """Everything a model family provides; the loader, stages, memory planning, expert actors and the
     converter read a family only through this. Tensors use llama.cpp's GGUF names and conventions for
     `arch`; `hf_weights` maps an HF checkpoint onto them."""
@@ -98,31 +104,38 @@ class Family:
     hf_model_types: tuple[str, ...]     # config.json model_type values it reads
     tokenizer_pre: str                  # tokenizer.ggml.pre that deploy.convert writes
     chat_format: str                    # its chat format (stages/text/formats/registry.py), where a template does not say
-    config_from_gguf: Callable          # (metadata, where) -> config (a ModelConfig)
-    config_from_hf: Callable            # (config.json dict, where) -> config
-    gguf_metadata: Callable             # config -> its `<arch>.*` GGUF keys (the inverse of config_from_gguf)
-    hf_weights: Callable                # (SafetensorsDir, config) -> its tensor source (a safetensors_dir.HFWeights)
-    layer_mixer: Callable               # (config, layer) -> MixerSpec: the one place a layer's kind is decided
-    rope: Callable                      # config -> (inverse frequencies, cos/sin multiplier) of its attention
-    moe_spec: Callable                  # config -> MoESpec of every layer's feed-forward
+    # (metadata, where) -> its config
+    config_from_gguf: Callable[[dict, str], C]
+    # (config.json, where) -> its config
+    config_from_hf: Callable[[dict, str], C]
+    # config -> its `<arch>.*` GGUF keys (the inverse of config_from_gguf)
+    gguf_metadata: Callable[[C], dict]
+    # (the checkpoint, config) -> its tensors under GGUF names
+    hf_weights: Callable[[SafetensorsDir, C], HFWeights]
+    # (config, layer) -> its token mixer: the one place a layer's kind is decided
+    layer_mixer: Callable[[C, int], MixerSpec]
+    # config -> (inverse frequencies, cos/sin multiplier) of its attention
+    rope: Callable[[C], tuple[torch.Tensor, float]]
+    # (config, layer) -> its feed-forward: routed experts (MoESpec) or dense (DenseFFNSpec)
+    layer_ffn: Callable[[C, int], FFNSpec]
 
-    def layer_tensor_shapes(self, cfg: ModelConfig, i: int) -> dict:
+    def layer_tensor_shapes(self, cfg: C, i: int) -> dict:
         """Every tensor of layer i with its shape in torch order (GGUF ne reversed)."""
         p = f"blk.{i}."
         return {**Block.norm_shapes(i, cfg.hidden), **self.layer_mixer(cfg, i).tensor_shapes(p, cfg.hidden),
-                **self.moe_spec(cfg).tensor_shapes(p, cfg.hidden)}
+                **self.layer_ffn(cfg, i).tensor_shapes(p, cfg.hidden)}
 
-    def layer_cache_bytes(self, cfg: ModelConfig, i: int, length: int | None = None, chunk: int = 512) -> int:
+    def layer_cache_bytes(self, cfg: C, i: int, length: int | None = None, chunk: int = 512) -> int:
         """The most one sequence's cache of layer i takes: for a full context, or for a sequence never longer
         than `length`; `chunk`: the most tokens of one sequence a step holds."""
         positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
         return self.layer_mixer(cfg, i).cache_bytes(positions, chunk)
 
-    def layer_prefix_bytes(self, cfg: ModelConfig, i: int, block: int) -> tuple[int, int]:
+    def layer_prefix_bytes(self, cfg: C, i: int, block: int) -> tuple[int, int]:
         """(bytes per cached block, bytes per snapshot) of layer i in the prefix cache."""
         return self.layer_mixer(cfg, i).prefix_bytes(block)
 
-    def build_layer(self, cfg: ModelConfig, w, i: int, remote_experts=None) -> Block:
-        """Layer i: its mixer and the MoE feed-forward in the shared pre-norm block."""
+    def build_layer(self, cfg: C, w, i: int, remote_experts=None) -> Block:
+        """Layer i: its mixer and its feed-forward in the shared pre-norm block."""
         mixer = self.layer_mixer(cfg, i).build(w, f"blk.{i}.", cfg.rms_eps, self.rope(cfg), cfg.context_length)
-        return Block(w, i, cfg.rms_eps, mixer, MoE(self.moe_spec(cfg), w, i, remote_experts))
+        return Block(w, i, cfg.rms_eps, mixer, self.layer_ffn(cfg, i).build(w, i, remote_experts))

@@ -189,7 +189,7 @@ def rope(cfg: GptOssConfig):
     return cfg.rope_tables()
 
 
-def moe_spec(cfg: GptOssConfig) -> MoESpec:
+def layer_ffn(cfg: GptOssConfig, i: int) -> MoESpec:
     # router: top-k of the biased logits, softmax over those k
     activation = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     return MoESpec(cfg.n_expert, cfg.n_expert_used, cfg.expert_ff, route_topk_softmax, activation, bias=True)
@@ -217,4 +217,4 @@ def gguf_metadata(cfg: GptOssConfig) -> dict:
 
 FAMILY = Family(arch=ARCH, hf_model_types=("gpt_oss",), tokenizer_pre=TOKENIZER_PRE, chat_format="harmony",
                 config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
-                hf_weights=GptOssHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)
+                hf_weights=GptOssHFWeights, layer_mixer=layer_mixer, rope=rope, layer_ffn=layer_ffn)

@@ -84,7 +84,7 @@ def rope(cfg: Qwen35MoeConfig):
     return inv_frequencies(cfg.rope_base, cfg.rope_dim), 1.0
 
 
-def moe_spec(cfg: Qwen35MoeConfig) -> MoESpec:
+def layer_ffn(cfg: Qwen35MoeConfig, i: int) -> MoESpec:
     return MoESpec(cfg.n_expert, cfg.n_expert_used, cfg.expert_ff, route_softmax_topk, shared_ff=cfg.shared_ff)
 
 
@@ -99,4 +99,4 @@ def gguf_metadata(cfg: Qwen35MoeConfig) -> dict:
 
 FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"), tokenizer_pre=TOKENIZER_PRE,
                 chat_format="qwen_xml", config_from_gguf=config_from_gguf, config_from_hf=config_from_hf,
-                gguf_metadata=gguf_metadata, hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope, moe_spec=moe_spec)
+                gguf_metadata=gguf_metadata, hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope, layer_ffn=layer_ffn)

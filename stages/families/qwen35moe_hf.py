@@ -40,6 +40,9 @@ LAYER_MAP = {
     "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", None),
     "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", None),
     "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", None),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", None),       # a dense layer's (Qwen3-Next's mlp_only_layers)
+    "ffn_up.weight": ("mlp.up_proj.weight", None),
+    "ffn_down.weight": ("mlp.down_proj.weight", None),
 }
 GLOBAL_MAP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
 EXPERT_NAMES = {"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}

@@ -39,6 +39,10 @@ class MoESpec:
                            p + "ffn_up_shexp.weight": (S, H), p + "ffn_down_shexp.weight": (H, S)})
         return shapes
 
+    def build(self, w, layer: int, remote_experts=None) -> MoE:
+        """Layer `layer`'s feed-forward (its routed experts in expert actors when remote_experts is given)."""
+        return MoE(self, w, layer, remote_experts)
+
     def load_experts(self, w, layer: int, experts: range | None = None):
         """The routed experts of one layer (a slice of them for expert parallelism) as a function
         (x, ids) -> (slots, rows); see kernels.moe.expert_slot_outputs."""

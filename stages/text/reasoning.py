@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from typing import Any
+
 from raymoe.stages.text.detokenizer import Detokenizer
 
 REASONING, CONTENT = "reasoning_content", "content"
@@ -66,7 +68,7 @@ class OutputParser:
     A parser holds the state of one output: `fresh()` gives another for the next output of the same
     prompt (a request's other choices). `chat_format`: the format it reads (None: plain text)."""
 
-    chat_format = None
+    chat_format: Any = None       # a formats.base.ChatFormat (which builds on this module)
 
     def __init__(self, tokenizer):
         self.runs = _Runs(tokenizer)

@@ -18,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
-from serve_util import ServerProcess, get_json, wait_idle
+from serve_util import get_json, running_server, wait_idle
 
 pytestmark = pytest.mark.cluster
 
@@ -36,13 +36,9 @@ SENT: list[tuple[str, int]] = []        # (operation, status) of every case sent
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("fuzz") / "serve.log", "--api-key", KEY,
-                         "--max-model-len", str(CONTEXT), "--grpc-port", "0")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("fuzz") / "serve.log", "--api-key", KEY, "--max-model-len",
+                        str(CONTEXT), "--grpc-port", "0") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def document() -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from raymoe.protos import raymoe_pb2 as pb
 from raymoe.protos import raymoe_pb2_grpc as pb_grpc
-from serve_util import ServerProcess, descendants, still_running, wait_idle
+from serve_util import descendants, running_server, still_running, wait_idle
 from raymoe.stages.files.loader import open_model
 from structured_cases import ASK, SCHEMAS, reasoning_end_bias, response_format
 
@@ -23,12 +23,8 @@ MODEL = "tiny-qwen35moe"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("grpc") / "serve.log", "--max-running", "16")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("grpc") / "serve.log", "--max-running", "16") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from raymoe.deploy import generate
 from raymoe.deploy.metrics import parse_metrics
 from raymoe.deploy.openai_api import TextDeltas
-from serve_util import free_port, get_json, get_text, post_raw, wait_idle
+from serve_util import get_json, get_text, post_raw, serve_apps, wait_idle
 
 pytestmark = pytest.mark.cluster
 
@@ -54,19 +54,10 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server():
     """The Serve app on the suite's Ray cluster (HTTP on a free localhost port); shut down after the module."""
-    from ray import serve
-
-    from raymoe.deploy.serve import app_builder
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        # the batch job's micro-batch groups, so that the server's outputs equal deploy.generate's
-        serve.run(app_builder({"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED, "microbatches": 4,
-                              "grpc_port": 0}),
-                  name="raymoe-test", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    # the batch job's micro-batch groups, so that the server's outputs equal deploy.generate's
+    with serve_apps({"/": {"model": MODEL, "max_running": MAX_RUNNING, "max_queued": MAX_QUEUED, "microbatches": 4,
+                           "grpc_port": 0}}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

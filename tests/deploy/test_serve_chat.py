@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from chat_templates import GPTOSS
-from serve_util import free_port
+from serve_util import serve_apps
 from raymoe.stages.files.loader import open_model
 
 pytestmark = pytest.mark.cluster
@@ -21,18 +21,9 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server():
-    from ray import serve
-
-    from raymoe.deploy.serve import app_builder
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(app_builder({"model": MODEL, "api_key": KEY, "max_running": 4, "chat_template": GPTOSS,
-                               "chat_template_kwargs": {"reasoning_effort": "low"}}),
-                  name="raymoe-chat-test", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_apps({"/": {"model": MODEL, "api_key": KEY, "max_running": 4, "chat_template": GPTOSS,
+                           "chat_template_kwargs": {"reasoning_effort": "low"}}}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

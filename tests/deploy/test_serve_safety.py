@@ -18,7 +18,7 @@ from raymoe.deploy.serving import MAX_BODY_BYTES
 from gguf_edit import rewrite_gguf
 from raymoe.protos import raymoe_pb2 as pb
 from raymoe.protos import raymoe_pb2_grpc as pb_grpc
-from serve_util import ServerProcess, descendants, still_running, wait_idle
+from serve_util import ServerProcess, descendants, running_server, still_running, wait_idle
 
 pytestmark = pytest.mark.cluster
 
@@ -29,12 +29,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("safety") / "serve.log", "--api-key", KEY, "--max-messages", "8")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("safety") / "serve.log", "--api-key", KEY, "--max-messages", "8") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def post(server, path: str, data: bytes, headers=AUTH) -> tuple[int, dict]:

@@ -13,7 +13,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from chat_templates import GPTOSS, QWEN35
-from serve_util import free_port
+from serve_util import serve_apps
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.answers import split_chat_result
 from tool_scripts import HARMONY_AFTER, HARMONY_CALL, QWEN_AFTER, QWEN_CALL
@@ -82,20 +82,14 @@ SCRIPTS = {"qwen": {"<tool_response>": QWEN_AFTER, "weather in Paris": QWEN_CALL
 
 @pytest.fixture(scope="module")
 def servers():
-    from ray import serve
-
-    from raymoe.deploy.serve import app_builder
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        for name, template in (("qwen", QWEN35), ("gptoss", GPTOSS)):
-            tok = open_model(MODELS[name]).tokenizer
-            scripts = {key: tok.encode(text) for key, text in SCRIPTS[name].items()}
-            serve.run(app_builder({"model": MODELS[name], "max_running": 16, "grpc_port": 0, "chat_template": template,
-                                   "scripted_outputs": scripts}), name=f"structured-{name}", route_prefix=f"/{name}")
-        yield {name: f"http://127.0.0.1:{port}/{name}" for name in MODELS}
-    finally:
-        serve.shutdown()
+    apps = {}
+    for name, template in (("qwen", QWEN35), ("gptoss", GPTOSS)):
+        tok = open_model(MODELS[name]).tokenizer
+        scripts = {key: tok.encode(text) for key, text in SCRIPTS[name].items()}
+        apps[f"/{name}"] = {"model": MODELS[name], "max_running": 16, "grpc_port": 0, "chat_template": template,
+                            "scripted_outputs": scripts}
+    with serve_apps(apps) as base:
+        yield {name: f"{base}/{name}" for name in MODELS}
 
 
 def client(servers, name):

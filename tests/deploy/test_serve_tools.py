@@ -10,7 +10,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from chat_templates import GPTOSS, QWEN35
-from serve_util import free_port
+from serve_util import serve_apps
 from tool_scripts import HARMONY_AFTER, HARMONY_CALL, QWEN_AFTER, QWEN_CALL, QWEN_TWO
 from raymoe.stages.files.loader import open_model
 
@@ -36,18 +36,11 @@ def scripts(model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def servers():
-    from ray import serve
-
-    from raymoe.deploy.serve import app_builder
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        for name, model, template in (("qwen", "tiny-qwen35moe", QWEN35), ("gptoss", "tiny-gptoss", GPTOSS)):
-            serve.run(app_builder({"model": model, "max_running": 4, "grpc_port": 0, "chat_template": template,
-                                   "scripted_outputs": scripts(model)}), name=f"tools-{name}", route_prefix=f"/{name}")
-        yield {name: f"http://127.0.0.1:{port}/{name}" for name in ("qwen", "gptoss")}
-    finally:
-        serve.shutdown()
+    apps = {f"/{name}": {"model": model, "max_running": 4, "grpc_port": 0, "chat_template": template,
+                         "scripted_outputs": scripts(model)}
+            for name, model, template in (("qwen", "tiny-qwen35moe", QWEN35), ("gptoss", "tiny-gptoss", GPTOSS))}
+    with serve_apps(apps) as base:
+        yield {name: f"{base}/{name}" for name in ("qwen", "gptoss")}
 
 
 def client(servers, name):

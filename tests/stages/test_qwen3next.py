@@ -13,6 +13,8 @@ from raymoe.stages.layers import deltanet
 from raymoe.stages.families import qwen3next, qwen3next_hf
 from raymoe.stages.errors import ModelFormatError
 from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.engine import LocalEngine
+from raymoe.stages.text.sampling_params import SamplingParams
 
 TOL = 1e-4
 
@@ -100,8 +102,9 @@ def test_wrong_conventions_fail(o, monkeypatch, wrong):
 
 @pytest.mark.parametrize("change, message", [
     ({"norm_topk_prob": False}, "norm_topk_prob false"),
-    ({"mlp_only_layers": [1]}, "mlp_only_layers"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list of layer indices below 8"),     # bad values
+    ({"mlp_only_layers": [9]}, "mlp_only_layers must be a list of layer indices below 8"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
 ])
@@ -109,6 +112,37 @@ def test_options_llama_cpp_lacks_are_refused(o, change, message):
     config = {**json.load(open(os.path.join(o.dir, "config.json"))), **change}
     with pytest.raises(ModelFormatError, match=message):
         qwen3next.config_from_hf(config, "test")
+
+
+def test_dense_layers_match_transformers(tmp_path, o):
+    """mlp_only_layers and decoder_sparse_step make some layers dense (a SwiGLU feed-forward of
+    intermediate_size): layer 0 listed, layers 2, 4 and 6 by a sparse step of 2. The checkpoint and its GGUF
+    conversion (dense layers in raymoe's keys, llama.cpp's ffn_gate/up/down names) match transformers, at
+    one stage and at two."""
+    from hf_models import make_qwen3next
+    from raymoe.deploy.convert import convert
+    from raymoe.tools.tiny_tokenizer import build_tiny_tokenizer
+
+    d = str(tmp_path / "dense")
+    build_tiny_tokenizer(d, "qwen3next")
+    model = make_qwen3next(d, seed=3, vocab_size=o.model.config.vocab_size, mlp_only_layers=[0],
+                           decoder_sparse_step=2, intermediate_size=40)
+    dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
+    assert dense == [0, 2, 4, 6]
+    path = convert(d, str(tmp_path / "dense.gguf"), "f32", progress=False)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.0.ffn_gate.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    assert "blk.1.ffn_gate_exps.weight" in names and "blk.1.ffn_gate.weight" not in names
+    for source in (d, path):
+        files = open_model(source)
+        assert files.config.dense_layers == (0, 2, 4, 6) and files.config.dense_ff == 40
+        ref = hf_logprobs(model, o.prompt)[torch.arange(len(o.prompt) - 1), torch.tensor(o.prompt[1:])]
+        for n_stages in (1, 2):
+            engine = LocalEngine(files, n_stages, "float32")
+            seq = engine.add_request("r", o.prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+            engine.run_until_done()
+            ours = torch.tensor([e["logprob"] for e in seq.result()["prompt_logprobs"][1:]])
+            assert (ours - ref).abs().max().item() < TOL, (source, n_stages)
 
 
 def test_released_v4_config_spelling(o):

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
+from engine_updates import engine_updates
+
 from raymoe.deploy.openai_api import Prepared, StreamFormatter, TokenText, chat_message
 from raymoe.stages.text.chat import render_chat
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.answers import output_parser, split_result
 from raymoe.stages.text.formats.harmony import MAX_HEADER_TOKENS
 from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, split_answer
-from raymoe.stages.text.sampling_params import SamplingParams
-from raymoe.stages.runtime.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -139,24 +139,6 @@ def test_formats_are_told_by_the_tokenizer(qwen, gptoss):
 
 # ---- streams: every grouping of tokens into updates, stop strings across markers ----------------
 
-def engine_updates(tok, prompt_ids, output_ids, stops, bounds):
-    """The coordinator's updates for output_ids, grouped into updates ending at the indices in bounds."""
-    params = SamplingParams.from_dict({"max_tokens": len(output_ids), "stop": stops, "temperature": 0})
-    seq = Sequence(0, "r", prompt_ids, params, tok, set(tok.eos_token_ids), 1 << 20)
-    updates, pending, sent = [], [], 0
-    for i, token in enumerate(output_ids):
-        seq.append_token(token)
-        pending.append(token)
-        if seq.finish_reason is not None:
-            updates.append({"token_ids": pending, "text_delta": seq.text[sent:], "logprobs": None,
-                            "finished": seq.result()})
-            return updates
-        if i in bounds:
-            updates.append({"token_ids": pending, "text_delta": seq.text[sent:], "logprobs": None})
-            pending, sent = [], len(seq.text)
-    raise AssertionError("the sequence did not finish")
-
-
 def groupings(n: int, rng: random.Random):
     yield set(range(n))                                   # one token an update
     yield set()                                           # all in the final update
@@ -208,7 +190,7 @@ def test_streams_equal_the_whole_answer(qwen, gptoss, case):
     for stops in stop_sets:
         whole = None
         for bounds in groupings(len(output_ids), rng):
-            updates = engine_updates(tok, prompt_ids, output_ids, stops, bounds)
+            updates = engine_updates(tok, prompt_ids, output_ids, bounds, stops)
             result = updates[-1]["finished"]
             if whole is None:
                 whole = chat_message(prepared(tok, prompt_ids, stops, stream=False), result)
@@ -222,7 +204,7 @@ def test_streams_equal_the_whole_answer(qwen, gptoss, case):
 def test_stop_string_inside_reasoning_cuts_the_answer_away(qwen):
     p = prompt(qwen)
     ids = qwen.encode("Step one. Step two.</think>Answer.<|im_end|>")
-    updates = engine_updates(qwen, p, ids, ["two"], set(range(len(ids))))
+    updates = engine_updates(qwen, p, ids, set(range(len(ids))), ["two"])
     result = updates[-1]["finished"]
     assert result["finish_reason"] == "stop"
     assert chat_message(prepared(qwen, p, ["two"], stream=False), result) == {
@@ -252,7 +234,7 @@ def test_logprobs_and_token_ids_ride_with_the_chunks(gptoss):
     prep = Prepared("chat", "x", "m", p, {"prompt_token_ids": p}, stream=True, logprobs=1, return_token_ids=True,
                     parser=output_parser(gptoss, p))
     formatter = StreamFormatter(prep, TokenText(gptoss))
-    updates = engine_updates(gptoss, p, ids, [], set(range(len(ids))))
+    updates = engine_updates(gptoss, p, ids, set(range(len(ids))))
     for update, entry in zip(updates, entries):
         update["logprobs"] = [entry]
     chunks = [c for u in updates for c in formatter.update(u)]
@@ -287,7 +269,7 @@ def test_every_choice_is_split_from_the_start(qwen):
     assert chat_message(prep, result) == chat_message(prep, result) == {
         "role": "assistant", CONTENT: "Answer", REASONING: "Think."}
     stream = prepared(qwen, p, [])
-    updates = engine_updates(qwen, p, ids + [qwen.token_to_id("<|im_end|>")], [], set())
+    updates = engine_updates(qwen, p, ids + [qwen.token_to_id("<|im_end|>")], set())
     formatters = [StreamFormatter(stream, TokenText(qwen), index=i) for i in range(2)]
     for f in formatters:
         text = "".join(c["choices"][0]["delta"].get(CONTENT, "") for u in updates for c in f.update(u))

@@ -13,13 +13,12 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from chat_templates import GPTOSS, QWEN35
+from engine_updates import engine_updates
 from raymoe.cluster.engine_args import EngineArgs
 from raymoe.deploy.openai_api import APIError, StreamFormatter, TokenText, chat_response, parse_chat, parse_tokenize
 from raymoe.stages.errors import RequestError
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.requests import chat_prompt, prompt_ids
-from raymoe.stages.text.sampling_params import SamplingParams
-from raymoe.stages.runtime.sequence import Sequence
 from raymoe.stages.text.answers import split_chat_result
 from raymoe.stages.text.formats.qwen_xml import QwenXML
 from raymoe.stages.text.tools import MAX_TOOLS, ToolRequest, check_tools, tool_request
@@ -58,30 +57,12 @@ def prepare(model, stream=False, **body):
                       cfg.vocab)
 
 
-def engine_updates(tok, p, output_ids, bounds, stops=(), **params):
-    """The coordinator's updates for output_ids, grouped into updates ending at the indices in bounds."""
-    params = SamplingParams.from_dict({"max_tokens": len(output_ids), "stop": list(stops), "temperature": 0, **params})
-    seq = Sequence(0, "r", p.prompt_ids, params, tok, set(tok.eos_token_ids), 1 << 20)
-    updates, pending, sent = [], [], 0
-    for i, token in enumerate(output_ids):
-        seq.append_token(token)
-        pending.append(token)
-        if seq.finish_reason is not None:
-            updates.append({"token_ids": pending, "text_delta": seq.text[sent:], "logprobs": None,
-                            "finished": seq.result()})
-            return updates
-        if i in bounds:
-            updates.append({"token_ids": pending, "text_delta": seq.text[sent:], "logprobs": None})
-            pending, sent = [], len(seq.text)
-    raise AssertionError("the sequence did not finish")
-
-
 def answer(model, output: str, stops=(), body=None, **params) -> dict:
     """The non-streamed choice for the scripted output."""
     tok, _ = model
     p = prepare(model, **(body or {}), **({"stop": list(stops)} if stops else {}))
     ids = tok.encode(output)
-    result = engine_updates(tok, p, ids, set(), stops, **params)[-1]["finished"]
+    result = engine_updates(tok, p.prompt_ids, ids, set(), stops, **params)[-1]["finished"]
     return chat_response(p, [result], TokenText(tok))["choices"][0]
 
 
@@ -379,7 +360,7 @@ def test_streams_assemble_to_the_whole_answer(qwen, gptoss, case):
                  "tool_calls": without_ids(message.get("tool_calls"))}, whole["finish_reason"])
         p = prepare(model, stream=True, **body, **({"stop": stops} if stops else {}))
         for bounds in groupings(len(output_ids), rng):
-            updates = engine_updates(tok, p, output_ids, bounds, stops, **params)
+            updates = engine_updates(tok, p.prompt_ids, output_ids, bounds, stops, **params)
             assert streamed(model, p, updates) == want, (stops, sorted(bounds))
 
 

@@ -58,7 +58,8 @@ class HarmonyParser(OutputParser):
         """The field of a message from its header: a tool call's body (with tools) when it goes to
         `functions.NAME`, else reasoning on the analysis channel, else answer."""
         if self.tool_calls:
-            parts, part = [], []
+            parts: list[list[int]] = []
+            part: list[int] = []
             for token in header:
                 if token in self.markup:
                     parts.append(part)
@@ -172,6 +173,7 @@ class Harmony(ChatFormat):
     def grammar(self, w: Writer, parser: OutputParser, rules: list[str], call: bool, end: str) -> str:
         """An optional analysis message, then a final message holding the JSON, ended by <|return|> (or the
         call, ended by <|call|>), whatever state the prompt leaves the output in."""
+        assert isinstance(parser, HarmonyParser)
         start, message, channel, close = (w.token(t) for t in ("<|start|>", "<|message|>", "<|channel|>", "<|end|>"))
         next_message = f"{close} {start} {w.text('assistant')}"
         if call:

@@ -37,13 +37,14 @@ def _is_text(schema) -> bool:
 
 def _value(text: str, schema) -> object:
     """An argument's value: text, unless the schema's type is another JSON type and the text is one."""
-    if _is_text(schema):
+    types = _types(schema)
+    if _is_text(schema) or types is None:
         return text
     try:
         value = loads(text)
     except ValueError:
         return text
-    return value if any(_KINDS.get(t, lambda v: False)(value) for t in _types(schema)) else text
+    return value if any(_KINDS.get(t, lambda v: False)(value) for t in types) else text
 
 
 def parse_xml_call(inner: str, tools: ToolRequest) -> tuple[str, str] | None:
@@ -94,8 +95,10 @@ class QwenXML(ThinkFormat):
         rules = [f"body: {' | '.join(f'function_{i}' for i in range(len(names)))}"]
         for i, name in enumerate(names):
             schema = call_schema(tools, name)
-            properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-            required = schema.get("required") if isinstance(schema.get("required"), list) else []
+            properties = schema.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            required = schema.get("required")
+            required = required if isinstance(required, list) else []
             parts = []
             for j, (arg, arg_schema) in enumerate(properties.items()):
                 rules.append(f"parameter_{i}_{j}: {w.text(f'<parameter={arg}>' + chr(10))} value_{i}_{j}")

@@ -20,4 +20,4 @@ def chat_format(tokenizer) -> ChatFormat | None:
     for candidate in FORMATS:
         if any(mark in template for mark in candidate.template_marks):
             return candidate
-    return BY_NAME.get(getattr(tokenizer, "family_chat_format", None))
+    return BY_NAME.get(getattr(tokenizer, "family_chat_format", None) or "")
