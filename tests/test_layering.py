@@ -110,3 +110,18 @@ def test_every_package_is_installed():
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     folders = {"raymoe." + m for m, path in MODULES.items() if path.endswith("__init__.py")}
     assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helper modules (tests/*.py), never through another test module: test modules
+    are imported by path, so one test module cannot import another by name."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            if name.endswith(".py"):
+                tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+                for node in ast.walk(tree):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                    found += [f"{name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found, found

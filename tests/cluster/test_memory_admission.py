@@ -127,7 +127,7 @@ def test_the_coordinator_admits_by_memory_and_every_request_completes():
 
     from raymoe.cluster.coordinator import Coordinator
     from raymoe.cluster.pipeline import PipelineSpec
-    from test_engine_faults import LocalPipeline
+    from local_pipeline import LocalPipeline
 
     model = open_model("tiny-qwen35moe", 512)
     full = stage_need(model, range(model.n_layers), "auto").cache_bytes_per_sequence

@@ -140,7 +140,7 @@ def test_a_lost_node_moves_its_stage_or_fails_the_job_and_resume_finishes_it(two
     """A node that holds a stage stops mid-job (its raylet SIGKILLed). With room on the other node Ray places the
     stage's bundle there again, the stage restarts and the output is the uninterrupted one; with no room the job
     fails with one line after --placement-timeout, and once a node joins, --resume finishes it to the same output."""
-    from test_coordinator_faults import batch_lines
+    from batch_cases import batch_lines
 
     address, env, nodes, add_worker = two_nodes
     src = tmp_path / "in.jsonl"

@@ -381,7 +381,7 @@ def test_a_step_that_may_not_have_reached_the_stages_drops_the_cache():
     from raymoe.cluster.coordinator import Coordinator
     from raymoe.cluster.engine_args import EngineArgs
     from raymoe.cluster.pipeline import PipelineSpec
-    from test_engine_faults import LocalPipeline
+    from local_pipeline import LocalPipeline
 
     files = open_model("tiny-qwen35moe")
     args = EngineArgs(files.path, microbatches=1, prefill_chunk=CHUNK, max_batch_tokens=2 * CHUNK, max_running=64,

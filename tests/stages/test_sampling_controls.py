@@ -176,7 +176,7 @@ def test_defaults_come_from_the_request_then_the_job_then_the_model(tmp_path):
 
     import gguf
     from gguf_edit import rewrite_gguf
-    from test_engine_faults import coordinator, results_of
+    from local_pipeline import coordinator, results_of
 
     path = rewrite_gguf(open_model(MODEL).path, str(tmp_path / "with-defaults.gguf"), add_kv={
         "general.sampling.temp": (0.0, gguf.GGUFValueType.FLOAT32),
