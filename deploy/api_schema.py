@@ -17,6 +17,7 @@ from raymoe.deploy.openai_api import CHAT_ROLES
 from raymoe.stages.text.chat import MAX_TEMPLATE_KWARGS
 from raymoe.stages.errors import RequestError
 from raymoe.stages.text.requests import chat_prompt
+from raymoe.stages.text.tools import MAX_TOOLS
 from raymoe.stages.text.sampling_params import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY,
                                                 MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, REPETITION_RANGE)
 
@@ -455,17 +456,36 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
 
     ResponseFormat = PlainFormat | SchemaFormat
 
+    class FunctionDefinition(_Open):
+        name: SchemaName
+        description: str | None = None
+        parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+        strict: bool | None = None
+
+    class ChatTool(_Open):
+        type: Literal["function"] = "function"
+        function: FunctionDefinition
+
+    class FunctionName(_Open):
+        name: SchemaName
+
+    class ToolChoiceFunction(_Open):
+        type: Literal["function"]
+        function: FunctionName
+
     class ChatRequest(Sampling):
         """POST /v1/chat/completions."""
         messages: Messages
         max_completion_tokens: Annotated[int, Field(ge=1, le=context_length)] | None = None
         logprobs: bool | None = None
         top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(None, description="with logprobs")
-        tools: Annotated[list, Field(max_length=0)] | None = Field(None, description="not supported")
-        functions: Annotated[list, Field(max_length=0)] | None = None
-        tool_choice: Literal["none"] | None = None
+        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+            None, description="function tools, distinct names (docs/chat.md)")
+        functions: Annotated[list, Field(max_length=0)] | None = Field(None, description="not supported: tools")
+        tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = Field(
+            None, description="a named function must be one of tools; required needs tools")
         function_call: Literal["none"] | None = None
-        parallel_tool_calls: Anything = None
+        parallel_tool_calls: bool | None = None
         response_format: ResponseFormat | None = Field(None, description="structured outputs (docs/chat.md)")
         chat_template_kwargs: TemplateKwargs | None = None
         reasoning_effort: Literal["low", "medium", "high"] | None = None

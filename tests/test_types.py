@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("kernels", "stages", "cluster", "deploy", "tools", "models", "protos")
 WRONG = '''from raymoe.stages.families.contract import Family
@@ -23,14 +21,14 @@ WRONG = Family(arch="x", hf_model_types=(), tokenizer_pre="x", chat_format="harm
 '''
 
 
-@pytest.mark.slow
 def test_the_families_and_chat_formats_type_check(tmp_path):
-    # mypy finds modules by folder: a raymoe/ folder of links to the top-level ones (the installed mapping)
+    # mypy finds modules by folder: a raymoe/ folder of links to the top-level ones (the installed mapping);
+    # what the checked folders import from elsewhere (torch, the layers) is Any: seconds, not a minute
     os.mkdir(tmp_path / "raymoe")
     for folder in FOLDERS:
         os.symlink(os.path.join(ROOT, folder), tmp_path / "raymoe" / folder)
     (tmp_path / "wrong_family.py").write_text(WRONG)
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=skip", "--ignore-missing-imports",
                            "--namespace-packages", "--explicit-package-bases", "--cache-dir", str(tmp_path / "cache"),
                            "raymoe/stages/families", "raymoe/stages/text/formats", "wrong_family.py"],
                           cwd=tmp_path, env={**os.environ, "MYPYPATH": str(tmp_path)}, capture_output=True, text=True,
