@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import uuid
-
 from typing import Callable
 
 from raymoe.stages.text.reasoning import CALL_END, CALL_START, CONTENT
