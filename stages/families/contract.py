@@ -76,7 +76,8 @@ def global_tensor_shapes(cfg: ModelConfig) -> dict:
 
 
 class MixerSpec(Protocol):
-    """What a layer's token mixer declares (stages.layers.attention.AttentionSpec, stages.layers.deltanet.DeltaNetSpec)."""
+    """What a layer's token mixer declares (stages.layers.attention.AttentionSpec,
+    stages.layers.deltanet.DeltaNetSpec)."""
 
     def tensor_shapes(self, p: str, hidden: int) -> dict: ...
 
@@ -103,7 +104,8 @@ class Family(Generic[C]):
     arch: str                           # GGUF general.architecture
     hf_model_types: tuple[str, ...]     # config.json model_type values it reads
     tokenizer_pre: str                  # tokenizer.ggml.pre that deploy.convert writes
-    chat_format: str                    # its chat format (stages/text/formats/registry.py), where a template does not say
+    # its chat format's name (stages/text/formats/registry.py), for a chat template that does not show one
+    chat_format: str
     # (metadata, where) -> its config
     config_from_gguf: Callable[[dict, str], C]
     # (config.json, where) -> its config

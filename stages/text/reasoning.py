@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-
 from typing import Any
 
 from raymoe.stages.text.detokenizer import Detokenizer

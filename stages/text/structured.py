@@ -5,10 +5,10 @@ The grammar engine is llguidance (a Rust library with a Python wheel that needs 
 GPU): it compiles JSON schemas and Lark grammars against the model's own tokenizer, and gives the
 mask of the tokens allowed next in microseconds. A grammar is Lark text in llguidance's syntax,
 written here for the whole output the model writes, in its chat format: reasoning first (free text,
-ended by Qwen's `</think>` or a harmony analysis message), then the answer (the JSON, or the tool
-call in the form the chat template teaches: stages/text/formats/),
-then the end token, after which the grammar allows nothing more,
-so the sequence stops with finish_reason "stop". Special tokens are named by id (`<[id]>`).
+ended by Qwen's `</think>` or a harmony analysis message), then the answer (the JSON, or the tool call in
+the form the chat template teaches: stages/text/formats/), then the end token, after which the grammar
+allows nothing more, so the sequence stops with finish_reason "stop". Special tokens are named by id
+(`<[id]>`).
 
 The mask is applied on the last stage, where sampling happens (stages/runtime/sampler.py): `Matchers` keeps
 one matcher per sequence there and advances it with the tokens the batch says the sequence has

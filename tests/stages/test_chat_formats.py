@@ -91,7 +91,8 @@ def test_call_tags_that_decode_to_nothing_are_read_by_id(qwen35):
     """A scripted answer: both call forms inside special-token tags are calls, the text around them content."""
     tok = qwen35.tokenizer
     open_tag, close_tag, end = (tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<|im_end|>"))
-    xml = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n"
+    xml = ("\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+           "</function>\n")
     hermes = '\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}\n'
     output = (tok.encode("Let me check.\n</think>\n\nChecking.\n\n") + [open_tag] + tok.encode(xml) + [close_tag]
               + tok.encode("\n") + [open_tag] + tok.encode(hermes) + [close_tag, end])
@@ -118,7 +119,8 @@ def test_the_xml_grammar_takes_free_text_arguments_and_refuses_the_json_form(qwe
     argument may be left out; the hermes JSON form is not the template's, so the grammar refuses it."""
     tok = qwen35.tokenizer
     note = {"type": "function", "function": {"name": "note", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}, "pin": {"type": "boolean"}}, "required": ["text"]}}}
+        "type": "object", "properties": {"text": {"type": "string"}, "pin": {"type": "boolean"}},
+        "required": ["text"]}}}
     request = {"messages": ASK, "tools": [note], "tool_choice": {"type": "function", "function": {"name": "note"}}}
     ids = tok.encode(chat_prompt(ASK, tok, {"enable_thinking": False}, tools=tool_request(request).template_tools()))
     grammar = line_grammar(request, tok, ids)

@@ -182,7 +182,7 @@ class Harmony(ChatFormat):
             constrain = f"({w.text(' ')} {w.token('<|constrain|>')} {w.text('json')})?"
             body = f"{channel} {w.text('final')} {constrain} {message} answer {w.token('<|return|>')}"
         analysis = f"{channel} {w.text('analysis')} {message} {FREE_TEXT} {next_message}"
-        if parser.header is not None:          # at a header: the prompt ended in <|start|>assistant (or a message's end)
+        if parser.header is not None:     # at a header: the prompt ended in <|start|>assistant (or a message's end)
             opening = "" if parser.header else f"{start} {w.text('assistant')} "
             top = f"start: {opening}({analysis})? {body}"
         elif parser.field == REASONING or call:  # inside an analysis message, or another one before a call: end it
