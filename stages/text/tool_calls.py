@@ -21,7 +21,7 @@ import json
 import uuid
 from typing import Callable
 
-from raymoe.stages.text.reasoning import CALL_END, CALL_START, CONTENT
+from raymoe.stages.text.reasoning import CALL_END, CALL_START, CONTENT, hold_back
 from raymoe.stages.text.tools import ToolRequest
 
 TOOL_CALLS = "tool_calls"
@@ -68,14 +68,6 @@ class ToolCalls:
         call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
         self.calls.append(call)
         return [(TOOL_CALLS, call)]
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of text could begin marker."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 class TextToolCalls(ToolCalls):
@@ -148,7 +140,7 @@ class TextToolCalls(ToolCalls):
                 self.pending = ""
                 return out
             # give what cannot begin a call, but hold trailing whitespace (it goes if a call follows)
-            text = self.pending[:len(self.pending) - _partial(self.pending, START)].rstrip()
+            text = self.pending[:len(self.pending) - hold_back(self.pending, [START])].rstrip()
             out += self._text(text)
             self.pending = self.pending[len(text):]
             return out
