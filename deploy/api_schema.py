@@ -1,53 +1,36 @@
-"""The OpenAPI document of the HTTP API (GET /openapi.json), from pydantic models used for documentation only.
-
-The handlers read raw bodies (deploy/http_app.py: the body-size and JSON-depth limits come first) and
-deploy/openai_api.py validates them, with its own error messages. The models here say the same in JSON
-Schema, with this server's own limits (its model's name, vocabulary and context, --max-messages), and the
-responses each status has. What the document refuses, the server refuses with a 4xx; what it accepts may
-still be refused for what a schema cannot say (a prompt longer than the context once tokenized, a chat
-template that does not take a role). tests/deploy/test_api_fuzz.py holds the server to the document with
-schemathesis.
+"""The OpenAPI document of the HTTP API (GET /openapi.json): the request models that the server validates
+bodies with (deploy/protocol.py, with this server's limits: its model's name, vocabulary and context,
+--max-messages) and the responses' models here, with the responses each status has. What the document refuses,
+the server refuses with a 4xx; what it accepts may still be refused for what a schema cannot say (a prompt
+longer than the context once tokenized, a chat template that does not take a role).
+tests/deploy/test_api_fuzz.py holds the server to the document with schemathesis.
 """
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from pydantic.json_schema import models_json_schema
 
-from raymoe.deploy.openai_api import CHAT_ROLES
-from raymoe.stages.text.chat import MAX_TEMPLATE_KWARGS
-from raymoe.stages.errors import RequestError
-from raymoe.stages.text.requests import chat_prompt
-from raymoe.stages.text.tools import MAX_TOOLS
-from raymoe.stages.text.sampling_params import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY,
-                                                MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, REPETITION_RANGE)
+from raymoe.deploy.protocol import Closed, ServedModel
 
 REF = "#/components/schemas/{model}"
 SECURITY_SCHEME = "bearerAuth"
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid")       # additionalProperties: false (unknown fields are refused)
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # ---- responses (the same whatever the model) --------------------------------------------------------
 
-class ErrorDetail(_Closed):
+class ErrorDetail(Closed):
     message: str
     type: str
     param: str | None
     code: str
 
 
-class ErrorResponse(_Closed):
+class ErrorResponse(Closed):
     """Every error: OpenAI's shape, with a code (README, "Errors")."""
     error: ErrorDetail
 
 
-class Usage(_Closed):
+class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -56,14 +39,14 @@ class Usage(_Closed):
 FinishReason = Literal["stop", "length"]
 
 
-class CompletionLogprobs(_Closed):
+class CompletionLogprobs(Closed):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class CompletionChoice(_Closed):
+class CompletionChoice(Closed):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -72,7 +55,7 @@ class CompletionChoice(_Closed):
     token_ids: list[int] = Field(None, description="with return_token_ids")
 
 
-class Completion(_Closed):
+class Completion(Closed):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -81,7 +64,7 @@ class Completion(_Closed):
     usage: Usage
 
 
-class TopLogprob(_Closed):
+class TopLogprob(Closed):
     token: str
     logprob: float
     bytes: list[int]
@@ -91,18 +74,18 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(_Closed):
+class ChatLogprobs(Closed):
     content: list[TokenLogprob]
     refusal: None
 
 
-class AssistantMessage(_Closed):
+class AssistantMessage(Closed):
     role: Literal["assistant"]
     content: str | None
     reasoning_content: str | None = Field(description="the model's reasoning, apart from its answer (docs/chat.md)")
 
 
-class ChatChoice(_Closed):
+class ChatChoice(Closed):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
@@ -111,7 +94,7 @@ class ChatChoice(_Closed):
     token_ids: list[int] = Field(None, description="with return_token_ids")
 
 
-class ChatCompletion(_Closed):
+class ChatCompletion(Closed):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -120,7 +103,7 @@ class ChatCompletion(_Closed):
     usage: Usage
 
 
-class CompletionChunkChoice(_Closed):
+class CompletionChunkChoice(Closed):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -129,7 +112,7 @@ class CompletionChunkChoice(_Closed):
     token_ids: list[int] = Field(None, description="with return_token_ids")
 
 
-class CompletionChunk(_Closed):
+class CompletionChunk(Closed):
     """One server-sent event of a streamed completion (`data: {...}`); the stream ends with `data: [DONE]`.
     An error mid-stream is an event holding an ErrorResponse."""
     id: str
@@ -141,13 +124,13 @@ class CompletionChunk(_Closed):
                                                   "chunk (no choices) the request's usage")
 
 
-class ChatDelta(_Closed):
+class ChatDelta(Closed):
     role: Literal["assistant"] = None
     content: str = None
     reasoning_content: str = None
 
 
-class ChatChunkChoice(_Closed):
+class ChatChunkChoice(Closed):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
@@ -155,7 +138,7 @@ class ChatChunkChoice(_Closed):
     token_ids: list[int] = Field(None, description="with return_token_ids")
 
 
-class ChatCompletionChunk(_Closed):
+class ChatCompletionChunk(Closed):
     """One server-sent event of a streamed chat completion; the stream ends with `data: [DONE]`."""
     id: str
     object: Literal["chat.completion.chunk"]
@@ -165,7 +148,7 @@ class ChatCompletionChunk(_Closed):
     usage: Usage | None = Field(None, description="as in CompletionChunk")
 
 
-class Model(_Closed):
+class Model(Closed):
     id: str
     object: Literal["model"]
     created: int
@@ -173,23 +156,23 @@ class Model(_Closed):
     max_model_len: int
 
 
-class ModelList(_Closed):
+class ModelList(Closed):
     object: Literal["list"]
     data: list[Model]
 
 
-class TokenizeResponse(_Closed):
+class TokenizeResponse(Closed):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str | None] = Field(None, description="with return_token_strs")
 
 
-class DetokenizeResponse(_Closed):
+class DetokenizeResponse(Closed):
     prompt: str
 
 
-class PrefixCacheLoad(_Closed):
+class PrefixCacheLoad(Closed):
     """The prefix cache's size and use (stages/prefix/cache.py; all zero when it is off)."""
     budget_bytes: int
     bytes: int
@@ -203,7 +186,7 @@ class PrefixCacheLoad(_Closed):
     hit_rate: float
 
 
-class Health(_Closed):
+class Health(Closed):
     """The engine's load (cluster.coordinator.Coordinator.load)."""
     status: Literal["ok"]
     model: str
@@ -225,19 +208,19 @@ class Health(_Closed):
 ItemStatus = Literal["in_progress", "completed"]
 
 
-class ReasoningText(_Closed):
+class ReasoningText(Closed):
     type: Literal["reasoning_text"]
     text: str
 
 
-class OutputText(_Closed):
+class OutputText(Closed):
     type: Literal["output_text"]
     text: str
     annotations: list
     logprobs: list
 
 
-class ReasoningItem(_Closed):
+class ReasoningItem(Closed):
     id: str
     type: Literal["reasoning"]
     summary: list
@@ -245,7 +228,7 @@ class ReasoningItem(_Closed):
     content: list[ReasoningText]
 
 
-class MessageItem(_Closed):
+class MessageItem(Closed):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
@@ -253,7 +236,7 @@ class MessageItem(_Closed):
     content: list[OutputText]
 
 
-class FunctionCallItem(_Closed):
+class FunctionCallItem(Closed):
     id: str
     type: Literal["function_call"]
     call_id: str
@@ -265,17 +248,17 @@ class FunctionCallItem(_Closed):
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
-class ResponseUsage(_Closed):
+class ResponseUsage(Closed):
     input_tokens: int
     output_tokens: int
     total_tokens: int
 
 
-class IncompleteDetails(_Closed):
+class IncompleteDetails(Closed):
     reason: Literal["max_output_tokens"]
 
 
-class Response(_Closed):
+class Response(Closed):
     """POST /v1/responses: the response, with what it echoes of the request."""
     id: str
     object: Literal["response"]
@@ -301,7 +284,7 @@ class Response(_Closed):
     usage: ResponseUsage | None
 
 
-class _Event(_Closed):
+class _Event(Closed):
     sequence_number: int
 
 
@@ -367,201 +350,6 @@ RESPONSES = [ErrorResponse, Completion, ChatCompletion, CompletionChunk, ChatCom
              TokenizeResponse, DetokenizeResponse, Health, Response, *RESPONSE_EVENTS]
 
 
-# ---- requests (with this server's limits) -------------------------------------------------------------
-
-def request_models(model_name: str, vocab: int, context_length: int, max_messages: int, *,
-                   max_text_chars: int, min_text_chars: int = 0, roles: tuple[str, ...] = CHAT_ROLES
-                   ) -> list[type[BaseModel]]:
-    """The request bodies' models for a server of `model_name` (its vocabulary and context) and --max-messages;
-    prompt text of fewer than min_text_chars characters has no tokens, text longer than max_text_chars cannot
-    fit the context whatever its tokens; `roles`: those the chat template takes."""
-    TokenId = Annotated[int, Field(ge=0, le=vocab - 1)]
-    ModelName = Literal[model_name, ""]          # "": the served model too
-    TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=context_length - 1)]
-    StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-    Anything = Any
-    SchemaName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-
-    class TextPart(_Open):
-        type: Literal["text"]
-        text: str
-
-    class Message(_Open):
-        """A chat message; other fields (name, tool_call_id, ...) go to the chat template as they are."""
-        role: Literal[roles] = Field(description="those of OpenAI's that the model's chat template takes")
-        content: str | list[TextPart] | None = None
-        reasoning_content: str | None = Field(None, description="reasoning of an earlier assistant turn "
-                                                                "(also as `thinking` or `reasoning`)")
-        thinking: str | None = None
-        reasoning: str | None = None
-
-    TemplateKwargs = Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS,
-                                                     description="variables of the chat template (identifiers)")]
-    Messages = Annotated[list[Message], Field(min_length=1, max_length=max_messages)]
-
-    class StreamOptions(_Closed):
-        include_usage: bool | None = None
-
-    class Sampling(_Closed):
-        model: ModelName | None = Field(None, description="the served model (GET /v1/models)")
-        n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-        stream: bool | None = None
-        stream_options: StreamOptions | None = Field(None, description="only with stream: true")
-        max_tokens: Annotated[int, Field(ge=1, le=context_length)] | None = None
-        temperature: Annotated[float, Field(ge=0, le=100)] | None = None
-        top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-        top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="0 or -1: off")
-        min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-        seed: Annotated[int, Field(ge=0, le=2 ** 63 - 1)] | None = None
-        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
-        stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-        ignore_eos: bool | None = None
-        presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
-        frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
-        repetition_penalty: Annotated[float, Field(ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])] | None = None
-        logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,19}$")],
-                                   Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
-                              Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
-            None, description="token id (a decimal string) -> bias")
-        return_token_ids: bool | None = None
-        user: Anything = Field(None, description="accepted and ignored (as are metadata, store, service_tier)")
-        metadata: Anything = None
-        store: Anything = None
-        service_tier: Anything = None
-
-    class CompletionRequest(Sampling):
-        """POST /v1/completions."""
-        prompt: (Annotated[str, Field(min_length=min_text_chars, max_length=max_text_chars)] | TokenIds
-                 | Annotated[list[Annotated[str, Field(min_length=min_text_chars, max_length=max_text_chars)]],
-                    Field(min_length=1, max_length=1)]
-                 | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
-            description="text, or token ids (or a list of one of either)")
-        echo: bool | None = None
-        logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-        suffix: Literal[""] | None = Field(None, description="not supported")
-        best_of: Literal[1] | None = None
-
-    class PlainFormat(_Closed):
-        type: Literal["text", "json_object"]
-
-    class JsonSchema(_Closed):
-        name: SchemaName
-        schema_: dict[str, Any] = Field(None, alias="schema", description="a JSON schema (llguidance compiles it)")
-        strict: bool | None = None
-        description: str | None = None
-
-    class SchemaFormat(_Closed):
-        type: Literal["json_schema"]
-        json_schema: JsonSchema
-
-    ResponseFormat = PlainFormat | SchemaFormat
-
-    class FunctionDefinition(_Open):
-        name: SchemaName
-        description: str | None = None
-        parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
-        strict: bool | None = None
-
-    class ChatTool(_Open):
-        type: Literal["function"] = "function"
-        function: FunctionDefinition
-
-    class FunctionName(_Open):
-        name: SchemaName
-
-    class ToolChoiceFunction(_Open):
-        type: Literal["function"]
-        function: FunctionName
-
-    class ChatRequest(Sampling):
-        """POST /v1/chat/completions."""
-        messages: Messages
-        max_completion_tokens: Annotated[int, Field(ge=1, le=context_length)] | None = None
-        logprobs: bool | None = None
-        top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(None, description="with logprobs")
-        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
-            None, description="function tools, distinct names (docs/chat.md)")
-        functions: Annotated[list, Field(max_length=0)] | None = Field(None, description="not supported: tools")
-        tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = Field(
-            None, description="a named function must be one of tools; required needs tools")
-        function_call: Literal["none"] | None = None
-        parallel_tool_calls: bool | None = None
-        response_format: ResponseFormat | None = Field(None, description="structured outputs (docs/chat.md)")
-        chat_template_kwargs: TemplateKwargs | None = None
-        reasoning_effort: Literal["low", "medium", "high"] | None = None
-
-    class Tokenize(_Closed):
-        model: ModelName | None = None
-        add_generation_prompt: bool | None = None
-        add_special_tokens: bool | None = None
-        return_token_strs: bool | None = None
-        chat_template_kwargs: TemplateKwargs | None = None
-        reasoning_effort: Literal["low", "medium", "high"] | None = None
-
-    class TokenizePrompt(Tokenize):
-        prompt: str
-
-    class TokenizeChat(Tokenize):
-        messages: Messages
-
-    class DetokenizeRequest(_Closed):
-        """POST /detokenize."""
-        model: ModelName | None = None
-        tokens: list[TokenId]
-
-    class FunctionTool(_Closed):
-        type: Literal["function"]
-        name: SchemaName
-        description: str | None = None
-        parameters: dict[str, Any] | None = None
-        strict: bool | None = None
-
-    class NamedTool(_Closed):
-        type: Literal["function"]
-        name: str
-
-    class ReasoningOptions(_Closed):
-        effort: Literal["low", "medium", "high"] | None = None
-        summary: Anything = Field(None, description="accepted, ignored: the reasoning is given whole")
-        generate_summary: Anything = None
-
-    class TextSchemaFormat(_Closed):
-        type: Literal["json_schema"]
-        name: SchemaName
-        schema_: dict[str, Any] = Field(None, alias="schema")
-        strict: bool | None = None
-        description: str | None = None
-
-    class TextOptions(_Closed):
-        format: PlainFormat | TextSchemaFormat | None = None
-        verbosity: Anything = Field(None, description="accepted, ignored")
-
-    class ResponsesRequest(_Closed):
-        """POST /v1/responses (only function tools; no stored responses)."""
-        model: ModelName | None = None
-        input: (Annotated[str, Field(max_length=max_text_chars)]
-                | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=max_messages)]) = Field(
-            description="text, or message, function_call, function_call_output and reasoning items")
-        instructions: str | None = None
-        reasoning: ReasoningOptions | None = None
-        tools: list[FunctionTool] | None = None
-        tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
-        parallel_tool_calls: bool | None = None
-        max_output_tokens: Annotated[int, Field(ge=1, le=context_length)] | None = None
-        temperature: Annotated[float, Field(ge=0, le=100)] | None = None
-        top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-        stream: bool | None = None
-        text: TextOptions | None = None
-        previous_response_id: None = Field(None, description="not supported")
-        background: Literal[False] | None = None
-        user: Anything = Field(None, description="accepted and ignored (as are metadata, store, service_tier)")
-        metadata: Anything = None
-        store: Anything = None
-        service_tier: Anything = None
-
-    return [CompletionRequest, ChatRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest, ResponsesRequest]
-
-
 # ---- the document -----------------------------------------------------------------------------------
 
 def _json(name: str) -> dict:
@@ -579,28 +367,13 @@ ERRORS = {400: "a request that the server refuses (the error names the field)", 
 HEALTH_503 = "the engine cannot serve (it gave up, or it is stalled), or the server is shutting down"
 
 
-def template_roles(tokenizer) -> tuple[str, ...]:
-    """The roles (of CHAT_ROLES) that the model's chat template renders, each as a chat of one message."""
-    roles = []
-    for role in CHAT_ROLES:
-        try:
-            chat_prompt([{"role": role, "content": "x"}], tokenizer)
-            roles.append(role)
-        except RequestError:
-            pass
-    return tuple(roles) or CHAT_ROLES       # no template: every chat is refused, whatever its roles
-
-
-def openapi_document(app, *, model_name: str, tokenizer, vocab: int, context_length: int, max_messages: int,
-                     api_key: bool, version: str = "0.1.0") -> dict:
-    """The document of `app` (deploy.http_app.api) for one server (api_key: whether it needs one)."""
+def openapi_document(app, served: ServedModel, *, api_key: bool, version: str = "0.1.0") -> dict:
+    """The document of `app` (deploy.http_app.api) for one served model (api_key: whether it needs a key)."""
     from fastapi.openapi.utils import get_openapi
     doc = get_openapi(title=app.title, version=version, routes=app.routes,
                       description="raymoe's OpenAI-compatible API (README, docs/chat.md)")
-    requests = request_models(model_name, vocab, context_length, max_messages,
-                              max_text_chars=context_length * tokenizer.max_token_bytes,
-                              min_text_chars=0 if tokenizer.encode("") else 1, roles=template_roles(tokenizer))
-    _, defs = models_json_schema([(m, "validation") for m in requests + RESPONSES], ref_template=REF)
+    models = [*served.requests.values(), *RESPONSES]
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     components = doc.setdefault("components", {})
     components["schemas"] = {**components.get("schemas", {}), **defs["$defs"]}
     def events(chunk: str) -> dict:

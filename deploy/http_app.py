@@ -217,9 +217,7 @@ class RaymoeServer:
         """This server's OpenAPI document (deploy/api_schema.py): open, as /health is."""
         if self._openapi is None:
             s = self.serving
-            self._openapi = openapi_document(api, model_name=s.model_name, tokenizer=s.tokenizer, vocab=s.vocab,
-                                             context_length=s.context_length, max_messages=s.args.max_messages,
-                                             api_key=s.api_key is not None)
+            self._openapi = openapi_document(api, s.served, api_key=s.api_key is not None)
         return JSONResponse(self._openapi)
 
     @api.get("/v1/models")

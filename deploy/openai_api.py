@@ -11,77 +11,24 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from raymoe.deploy.api_errors import UNSUPPORTED, APIError
+from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.text.chat import check_template_kwargs
 from raymoe.stages.errors import RequestError
 from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from raymoe.stages.text.requests import chat_prompt, check_prompt
-from raymoe.stages.text.sampling_params import MAX_N, SamplingParams
+from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import choice_seed
 from raymoe.stages.text.structured import output_grammar, response_schema
 from raymoe.stages.text.answers import chat_parsers, split_message, tool_calls_reader
 from raymoe.stages.text.tool_calls import TOOL_CALLS
 from raymoe.stages.text.tools import TOOL_FIELDS, ToolRequest, tool_request
 
-STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
-# Every error carries a code: the status's default below unless a more precise one
-# is given (context_length_exceeded, unsupported_parameter, unknown_parameter, invalid_body, json_too_deep,
-# too_many_messages, model_not_found, queue_full, unhealthy, shutting_down; replica_unavailable comes from Serve's
-# proxy, deploy/replica_errors.py).
-ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-               413: "body_too_large", 500: "internal_error", 503: "unavailable"}
-UNSUPPORTED = "unsupported_parameter"
-UNKNOWN = "unknown_parameter"
 
-# ---- request fields -------------------------------------------------------------------------------
-# One policy for every endpoint (docs/chat.md, "Request fields"): a field the endpoint does not know is
-# refused with a 400 naming it (code unknown_parameter), as OpenAI's own API refuses one, so that a
-# misspelt or unsupported option never passes silently. Each known field is honoured, or refused when
-# set to what this server cannot do (the legacy functions, ...: code
-# unsupported_parameter), or, for the few in IGNORED_FIELDS that only feed OpenAI's own bookkeeping,
-# accepted and ignored.
-IGNORED_FIELDS = frozenset(("user", "metadata", "store", "service_tier"))
-_SAMPLING_FIELDS = frozenset(("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
-                              "presence_penalty", "frequency_penalty", "logit_bias",
-                              "min_p", "repetition_penalty", "stop_token_ids"))
-COMPLETION_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
-    "model", "prompt", "stream", "stream_options", "echo", "logprobs", "suffix", "best_of", "return_token_ids"}
-CHAT_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | {
-    "model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-    "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "return_token_ids",
-    "chat_template_kwargs", "reasoning_effort"}
-TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
-                             "return_token_strs", "chat_template_kwargs", "reasoning_effort", "tools"))
-DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
-STREAM_OPTIONS_FIELDS = frozenset(("include_usage",))
-
-
-def check_fields(body, known: frozenset, where: str = ""):
-    """400 naming the fields of the JSON object `body` that are not in `known` (a body that is not an
-    object is left to the caller's own check)."""
-    if not isinstance(body, dict):
-        return
-    unknown = [key for key in body if key not in known]
-    if unknown:
-        names = ", ".join(repr(key if len(key) <= 64 else key[:64] + "...") for key in unknown[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise APIError(400, f"Unrecognized request argument{'s' * (len(unknown) > 1)} supplied: {where}{names}{more} "
-                            f"(docs/chat.md lists the fields this server takes)", param=unknown[0], code=UNKNOWN)
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's error JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or ERROR_CODES.get(status, "error")
-        self.type = type or STATUS_TYPES.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
+# ---- requests -------------------------------------------------------------------------------------
+# Every body is first validated by its model (deploy/protocol.py: one policy for every endpoint, docs/chat.md
+# "Request fields": an unknown field is refused naming it, an unsupported value is refused, a few bookkeeping
+# fields are ignored). What follows checks what a schema cannot say, and builds the engine request.
 
 def request_error(e: RequestError, default_param: str | None = None) -> APIError:
     """A RequestError from the engine as a 400, naming the parameter when the message does."""
@@ -126,42 +73,13 @@ class Prepared:
         return [{**self.engine_request, "seed": choice_seed(seed, i)} for i in range(self.n)]
 
 
-def _bool(body: dict, name: str, default=False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be a boolean, got {value!r}", param=name)
-    return value
-
-
-def _unsupported(body: dict, name: str, allowed=(None,)):
-    """400 unless the field is absent or one of `allowed`, the values that ask for nothing (of the same
-    JSON type: true is not 1)."""
-    value = body.get(name)
-    if not any(type(value) is type(a) and value == a for a in allowed):
-        raise APIError(400, f"{name} is not supported by this server (got {repr(value)[:100]})", param=name,
-                       code=UNSUPPORTED)
-
-
-def _common(body: dict, served_model: str):
-    check_body(body, served_model)
-    n = body.get("n")
-    if n is None:
-        n = 1
-    if type(n) is not int or not 1 <= n <= MAX_N:
-        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {repr(n)[:40]}", param="n")
-    stream = _bool(body, "stream")
+def _stream(body: dict) -> tuple[bool, bool]:
+    """stream, and stream_options.include_usage (only with stream)."""
+    stream = bool(body.get("stream"))
     options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if not isinstance(options, dict):
-            raise APIError(400, "stream_options must be an object", param="stream_options")
-        check_fields(options, STREAM_OPTIONS_FIELDS, "stream_options.")
-        include_usage = _bool(options, "include_usage")
-    return stream, include_usage, n
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    return stream, bool((options or {}).get("include_usage"))
 
 
 def _sampling(body: dict, max_tokens) -> dict:
@@ -181,19 +99,14 @@ def check_text_size(n_chars: int, tokenizer, context_length: int, param: str):
                        param=param, code="context_length_exceeded")
 
 
-def _all_ints(values: list) -> bool:
-    """Whether every value is a JSON integer (not a bool), checked by C-level iteration: a body of a
-    million token ids must not hold the GIL in a Python loop while /health waits."""
-    return set(map(type, values)) == {int}
-
-
-def _check_length(ids: list[int], context_length: int, vocab: int, param: str):
+def _check_length(ids: list[int], served: ServedModel, param: str):
+    context_length = served.context_length
     if len(ids) >= context_length:
         raise APIError(400, f"This model's maximum context length is {context_length} tokens. However, your "
                             f"prompt has {len(ids)} tokens (at most {context_length - 1} fit, leaving room for "
                             f"one generated token).", param=param, code="context_length_exceeded")
     try:
-        check_prompt(ids, vocab, context_length)
+        check_prompt(ids, served.vocab, context_length)
     except RequestError as e:
         raise APIError(400, str(e), param=param) from None
 
@@ -203,115 +116,82 @@ def _validate_sampling(request: dict, vocab: int):
         SamplingParams.from_dict(request, vocab=vocab)
     except RequestError as e:
         raise request_error(e) from None
-    except TypeError as e:
-        raise APIError(400, f"bad sampling parameter: {e}") from None
 
 
-def parse_completion(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
+def _encode(text: str, tokenizer, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except RequestError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def parse_completion(body: dict, served: ServedModel) -> Prepared:
     """POST /v1/completions: `prompt` as text or token ids (or a one-element list of either)."""
-    check_fields(body, COMPLETION_FIELDS)
-    stream, include_usage, n = _common(body, served_model)
-    _unsupported(body, "suffix", allowed=(None, ""))
-    _unsupported(body, "best_of", allowed=(None, 1))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]            # a batch of one
-    if isinstance(prompt, str):
-        check_text_size(len(prompt), tokenizer, context_length, "prompt")
-        try:
-            ids = tokenizer.encode(prompt)
-        except RequestError as e:
-            raise APIError(400, f"prompt: {e}", param="prompt") from None
-    elif isinstance(prompt, list) and prompt and type(prompt[0]) is int and len(prompt) >= context_length:
-        ids = prompt       # refused below for its length, before its values are looked at
-    elif isinstance(prompt, list) and prompt and _all_ints(prompt):
-        ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and set(map(type, prompt)) <= {str, list}:
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) > 1 and set(map(type, prompt)) <= {str, list}:
         raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
                        code=UNSUPPORTED)
-    else:
-        raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
-    _check_length(ids, context_length, vocab, "prompt")
-    echo = _bool(body, "echo")
+    served.validate("CompletionRequest", body)
+    stream, include_usage = _stream(body)
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]            # a batch of one
+    ids = _encode(prompt, served.tokenizer, "prompt") if isinstance(prompt, str) else list(prompt)
+    _check_length(ids, served, "prompt")
+    echo = bool(body.get("echo"))
     logprobs = body.get("logprobs")
-    max_tokens = body.get("max_tokens", 16)
+    max_tokens = body.get("max_tokens")
     request = {"prompt_token_ids": ids, **_sampling(body, 16 if max_tokens is None else max_tokens)}
     if logprobs is not None:
         request["logprobs"] = logprobs
         if echo:
             request["prompt_logprobs"] = logprobs
-    _validate_sampling(request, vocab)
-    return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
+    _validate_sampling(request, served.vocab)
+    return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", served.name, ids, request, stream=stream,
                     include_usage=include_usage, echo=echo, logprobs=logprobs,
-                    return_token_ids=_bool(body, "return_token_ids"), n=n)
+                    return_token_ids=bool(body.get("return_token_ids")), n=body.get("n") or 1)
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")     # OpenAI's (the template may take fewer)
-
-
-def _message_content(message, i: int):
+def _message_content(message: dict) -> dict:
     """OpenAI content: a string, or a list of text parts (joined)."""
-    if not isinstance(message, dict):
-        raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {repr(role)[:40]}",
-                       param="messages")
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages",
-                               code=UNSUPPORTED)
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None:
-        content = ""
-    return {**message, "content": content}
+        content = "".join(part["text"] for part in content)
+    return {**message, "content": content or ""}
 
 
-def parse_chat(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
+def parse_chat(body: dict, served: ServedModel) -> Prepared:
     """POST /v1/chat/completions: `messages` through the model's chat template (with the generation prompt)."""
-    check_fields(body, CHAT_FIELDS)
-    stream, include_usage, n = _common(body, served_model)
-    for name in ("functions", "function_call"):     # the legacy form of tools: send tools and tool_choice
-        _unsupported(body, name, allowed=(None, "none"))
+    served.validate("ChatRequest", body)
+    stream, include_usage = _stream(body)
+    tokenizer, context_length = served.tokenizer, served.context_length
     tools = _tools(body)
     schema = _structured(response_schema, body.get("response_format"))
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list", param="messages")
-    messages = [_message_content(m, i) for i, m in enumerate(messages)]
+    messages = [_message_content(m) for m in body["messages"]]
     check_text_size(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), tokenizer,
                     context_length, "messages")
     ids = _render_chat(body, messages, tokenizer, add_generation_prompt=True,
                        tools=tools.template_tools() if tools else None)
-    _check_length(ids, context_length, vocab, "messages")
-    for name in ("max_completion_tokens", "max_tokens"):      # both checked, whichever applies (the first)
-        value = body.get(name)
-        if value is not None and (type(value) is not int or not 1 <= value <= context_length):
-            raise APIError(400, f"{name} must be an integer in [1, {context_length}] (the model's context), "
-                                f"got {repr(value)[:40]}", param=name)
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    _check_length(ids, served, "messages")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     # no limit given: generate until the model stops or the context is full (as OpenAI does)
-    request = {"prompt_token_ids": ids, **_sampling(body, context_length if max_tokens is None else max_tokens)}
+    request = {"prompt_token_ids": ids, **_sampling(body, max_tokens or context_length)}
     logprobs = None
-    if _bool(body, "logprobs"):
+    if body.get("logprobs"):
         logprobs = body.get("top_logprobs") or 0
         request["logprobs"] = logprobs
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    grammar = _structured(output_grammar, tokenizer, ids, schema, tools)
+    budget = body.get("thinking_token_budget")
+    budget = served.reasoning_budget if budget is None else None if budget == -1 else budget
+    grammar = _structured(output_grammar, tokenizer, ids, schema, tools, True, "response_format", budget)
     if grammar is not None:
         request["grammar"] = grammar
-    _validate_sampling(request, vocab)
+    _validate_sampling(request, served.vocab)
     parser, calls = chat_parsers(tokenizer, ids, tools)
-    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served_model, ids, request, stream=stream,
-                    include_usage=include_usage, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"),
-                    n=n, parser=parser, tools=tools if calls is not None else None)
+    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", served.name, ids, request, stream=stream,
+                    include_usage=include_usage, logprobs=logprobs,
+                    return_token_ids=bool(body.get("return_token_ids")), n=body.get("n") or 1, parser=parser,
+                    tools=tools if calls is not None else None)
 
 
 def _tools(body: dict) -> ToolRequest | None:
@@ -333,21 +213,12 @@ def _structured(build, *args):
         raise APIError(400, message, param="tools" if message.startswith("tools") else "response_format") from None
 
 
-REASONING_EFFORTS = ("low", "medium", "high")
-
-
 def _template_kwargs(body: dict) -> dict | None:
-    """The request's chat_template_kwargs, with OpenAI's `reasoning_effort` as the template variable of
-    that name (gpt-oss's template reads it) unless chat_template_kwargs sets it too."""
+    """The request's chat_template_kwargs, with OpenAI's `reasoning_effort` as the template variable of that
+    name (gpt-oss's template reads it) unless chat_template_kwargs sets it too."""
     kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise APIError(400, f"chat_template_kwargs must be an object, got {type(kwargs).__name__}",
-                       param="chat_template_kwargs")
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                           param="reasoning_effort")
         kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     return kwargs
 
@@ -361,80 +232,45 @@ def _render_chat(body: dict, messages: list, tokenizer, add_generation_prompt: b
     except RequestError as e:
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
         raise APIError(400, str(e), param=param) from None
-    try:
-        return tokenizer.encode(prompt)
-    except RequestError as e:
-        raise APIError(400, str(e), param="messages") from None
+    return _encode(prompt, tokenizer, "messages")
 
 
-def parse_tokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+def parse_tokenize(body: dict, served: ServedModel) -> dict:
     """POST /tokenize (vLLM's): {model, prompt, add_special_tokens} or {model, messages, add_generation_prompt,
     chat_template_kwargs} -> {count, max_model_len, tokens} (and token_strs with return_token_strs). A
     prompt longer than the context is counted, not refused: knowing that is what the endpoint is for."""
-    check_fields(body, TOKENIZE_FIELDS)
-    check_body(body, served_model)
-    # every field is checked, whether or not it applies (the chat's with a prompt, add_special_tokens with a chat)
-    add_special_tokens = _bool(body, "add_special_tokens", True)
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
-    return_token_strs = _bool(body, "return_token_strs")
-    template_kwargs = _template_kwargs(body)
-    if template_kwargs is not None:
-        try:
-            check_template_kwargs(template_kwargs)
-        except RequestError as e:
-            raise APIError(400, str(e), param="chat_template_kwargs") from None
-    has_prompt, has_messages = "prompt" in body, "messages" in body
-    if has_prompt == has_messages:
+    has_prompt, has_messages = (isinstance(body, dict) and name in body for name in ("prompt", "messages"))
+    if isinstance(body, dict) and has_prompt == has_messages:
         raise APIError(400, "send exactly one of prompt (text) and messages (a chat)",
                        param="messages" if has_messages else "prompt")
+    # every field is checked, whether or not it applies (the chat's with a prompt, add_special_tokens with a chat)
+    served.validate("TokenizePrompt" if has_prompt else "TokenizeChat", body)
+    tokenizer = served.tokenizer
     if has_prompt:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str):
-            raise APIError(400, f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        try:
-            ids = tokenizer.encode(prompt)
+        try:        # checked, though a prompt does not use them (the chat template checks a chat's)
+            check_template_kwargs(_template_kwargs(body) or {})
         except RequestError as e:
-            raise APIError(400, f"prompt: {e}", param="prompt") from None
-        if not add_special_tokens and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+        ids = _encode(body["prompt"], tokenizer, "prompt")
+        if body.get("add_special_tokens") is False and tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id]:
             ids = ids[1:]
     else:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages")
-        messages = [_message_content(m, i) for i, m in enumerate(messages)]
+        messages = [_message_content(m) for m in body["messages"]]
         tools = _tools({"tools": body.get("tools")})
-        ids = _render_chat(body, messages, tokenizer, add_generation_prompt=add_generation_prompt,
+        ids = _render_chat(body, messages, tokenizer,
+                           add_generation_prompt=body.get("add_generation_prompt") is not False,
                            tools=tools.template_tools() if tools else None)
-    out = {"count": len(ids), "max_model_len": context_length, "tokens": ids}
-    if return_token_strs:
+    out = {"count": len(ids), "max_model_len": served.context_length, "tokens": ids}
+    if body.get("return_token_strs"):
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
     return out
 
 
-def parse_detokenize(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> dict:
+def parse_detokenize(body: dict, served: ServedModel) -> dict:
     """POST /detokenize (vLLM's): {model, tokens} -> {prompt}, special tokens written out (so that
     /tokenize of the text gives the tokens back)."""
-    check_fields(body, DETOKENIZE_FIELDS)
-    check_body(body, served_model)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or (tokens and not _all_ints(tokens)):
-        raise APIError(400, "tokens must be a list of token ids (integers)", param="tokens")
-    bad = next((t for t in tokens if not 0 <= t < vocab), None) if tokens else None
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-    return {"prompt": tokenizer.decode(tokens)}
-
-
-def check_body(body: dict, served_model: str):
-    """A JSON object naming no model, or this server's (every endpoint's first check)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {model!r}", param="model")
-    if model and model != served_model:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model}` "
-                            f"(see GET /v1/models)", param="model", code="model_not_found")
+    served.validate("DetokenizeRequest", body)
+    return {"prompt": served.tokenizer.decode(body["tokens"])}
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -15,21 +15,16 @@ from __future__ import annotations
 import json
 import uuid
 
-from raymoe.deploy.openai_api import (IGNORED_FIELDS, UNSUPPORTED, APIError, Prepared, check_body, check_fields,
-                                      check_result, parse_chat)
+from raymoe.deploy.api_errors import UNSUPPORTED, APIError
+from raymoe.deploy.openai_api import Prepared, check_result, parse_chat
+from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
 from raymoe.stages.text.answers import tool_calls_reader
 from raymoe.stages.text.tool_calls import TOOL_CALLS
 
-RESPONSES_FIELDS = IGNORED_FIELDS | {
-    "model", "input", "instructions", "reasoning", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-    "temperature", "top_p", "stream", "text", "previous_response_id", "background"}
-REASONING_FIELDS = frozenset(("effort", "summary", "generate_summary"))     # the summaries are not made: ignored
-TEXT_FIELDS = frozenset(("format", "verbosity"))                         # verbosity: accepted, ignored
 # a chat field's name in the Responses body, for the errors that parse_chat raises
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
           "reasoning_effort": "reasoning"}
-FUNCTION_TOOL_FIELDS = frozenset(("type", "name", "description", "parameters", "strict"))
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -56,16 +51,10 @@ def _messages(body: dict) -> list[dict]:
     """`instructions` (a system message) and `input` (text, or a list of message, function_call,
     function_call_output and reasoning items) as chat messages; a reasoning item goes with the assistant
     turn after it, as its reasoning_content."""
-    instructions, given = body.get("instructions"), body.get("input")
-    messages = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise APIError(400, "instructions must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
+    instructions, given = body.get("instructions"), body["input"]
+    messages = [] if instructions is None else [{"role": "system", "content": instructions}]
     if isinstance(given, str):
         return messages + [{"role": "user", "content": given}]
-    if not isinstance(given, list) or not given:
-        raise APIError(400, "input must be text or a non-empty list of items", param="input")
     reasoning = None
 
     def assistant() -> dict:
@@ -80,8 +69,6 @@ def _messages(body: dict) -> list[dict]:
 
     for i, item in enumerate(given):
         where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise APIError(400, f"{where} must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -121,35 +108,11 @@ def _messages(body: dict) -> list[dict]:
 def _tools(body: dict):
     """Responses' function tools ({"type": "function", "name", ...}) and tool_choice in their chat forms."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    chat_tools = None
     if tools is not None:
-        if not isinstance(tools, list):
-            raise APIError(400, "tools must be a list of function tools", param="tools")
-        chat_tools = []
-        for i, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise APIError(400, f"tools[{i}]: {repr(kind)[:40]} tools are not supported: this server runs no "
-                                    f"hosted tools, only function tools", param="tools", code=UNSUPPORTED)
-            check_fields(tool, FUNCTION_TOOL_FIELDS, f"tools[{i}].")
-            function = {k: v for k, v in tool.items() if k != "type"}
-            chat_tools.append({"type": "function", "function": function})
+        tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} for tool in tools]
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
-            raise APIError(400, f"tool_choice: only auto, none, required or {{\"type\": \"function\", \"name\": ...}} "
-                                f"(no hosted tools), got {repr(choice)[:80]}", param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return chat_tools, choice
-
-
-def _object(body: dict, name: str, known: frozenset) -> dict:
-    value = body.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise APIError(400, f"{name} must be an object", param=name)
-    check_fields(value, known, f"{name}.")
-    return value
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
 
 
 def _response_format(text: dict):
@@ -160,16 +123,15 @@ def _response_format(text: dict):
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-def parse_responses(body: dict, served_model: str, tokenizer, context_length: int, vocab: int) -> Prepared:
+def parse_responses(body: dict, served: ServedModel) -> Prepared:
     """POST /v1/responses: checked, turned into a chat body, and prepared as a chat."""
-    check_fields(body, RESPONSES_FIELDS)
-    check_body(body, served_model)
-    for name, off in (("previous_response_id", (None,)), ("background", (None, False))):
-        if not any(type(body.get(name)) is type(v) and body.get(name) == v for v in off):
-            raise APIError(400, f"{name} is not supported by this server (it keeps no responses)", param=name,
-                           code=UNSUPPORTED)
-    reasoning = _object(body, "reasoning", REASONING_FIELDS)
-    text = _object(body, "text", TEXT_FIELDS)
+    tools = body.get("tools") if isinstance(body, dict) else None
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") != "function":     # named before the schema's error
+            raise APIError(400, f"tools[{i}]: {repr(tool.get('type'))[:40]} tools are not supported: this server "
+                                f"runs no hosted tools, only function tools", param="tools", code=UNSUPPORTED)
+    served.validate("ResponsesRequest", body)
+    reasoning, text = body.get("reasoning") or {}, body.get("text") or {}
     tools, tool_choice = _tools(body)
     chat = {"model": body.get("model"), "messages": _messages(body), "stream": body.get("stream"),
             "max_completion_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
@@ -177,15 +139,14 @@ def parse_responses(body: dict, served_model: str, tokenizer, context_length: in
             "parallel_tool_calls": body.get("parallel_tool_calls"), "reasoning_effort": reasoning.get("effort"),
             "response_format": _response_format(text)}
     try:
-        p = parse_chat({k: v for k, v in chat.items() if v is not None}, served_model, tokenizer, context_length,
-                       vocab)
+        p = parse_chat({k: v for k, v in chat.items() if v is not None}, served)
     except APIError as e:        # name the field as this body has it
         if e.param in PARAMS:
             e.message = e.message.replace(e.param, PARAMS[e.param], 1) if e.message.startswith(e.param) else e.message
             e.param = PARAMS[e.param]
         raise
     p.kind, p.id = "response", _new_id("resp")
-    p.parser = p.parser or OutputParser(tokenizer)     # items need the pieces, even of a plain answer
+    p.parser = p.parser or OutputParser(served.tokenizer)     # items need the pieces, even of a plain answer
     p.response_fields = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "parallel_tool_calls": p.tools.parallel if p.tools else body.get("parallel_tool_calls", True),

@@ -34,7 +34,8 @@ from ray import serve
 from raymoe.cluster.engine_args import add_engine_flags
 from raymoe.deploy.http_app import _url_host, app_builder, is_loopback
 from raymoe.deploy.replica_errors import PROXY_CALLBACK
-from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES, ServeArgs
+from raymoe.deploy.protocol import MAX_MESSAGES
+from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, ServeArgs
 from raymoe.stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                    help="larger HTTP bodies get 413 (and gRPC messages RESOURCE_EXHAUSTED)")
     p.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH, help="deeper JSON bodies get 400")
     p.add_argument("--max-messages", type=int, default=MAX_MESSAGES, help="chats with more messages get 400")
+    p.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="the most tokens a chat may reason before the engine ends its reasoning (Qwen's </think>, "
+                        "harmony's final channel); a request's thinking_token_budget wins (-1: no budget)")
     p.add_argument("--replicas", type=int, default=1,
                    help="ingress replicas, each with a pipeline of its own; Serve's proxy spreads requests over them, "
                         "and should one die, only its requests in flight fail (docs/faults.md)")

@@ -16,11 +16,11 @@ from pydantic import field_validator
 from raymoe.cluster.engine_args import EngineArgs
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.openai_api import APIError, TokenText, request_error
+from raymoe.deploy.protocol import MAX_MESSAGES, ServedModel
 from raymoe.stages.errors import RaymoeError, RequestError
 
 MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
-MAX_MESSAGES = 1024
 STOP_GRACE_S = 2.0                    # stopping: how long requests in flight get to end before the engine stops
 
 
@@ -40,6 +40,14 @@ class ServeArgs(EngineArgs):
     max_json_depth: int = MAX_JSON_DEPTH
     max_messages: int = MAX_MESSAGES          # messages per chat request
     replicas: int = 1                         # ingress replicas, each with a pipeline of its own (docs/faults.md)
+    reasoning_budget: int = -1                # a chat's most tokens of reasoning (-1: none), unless it sets its own
+
+    @field_validator("reasoning_budget")
+    @classmethod
+    def _budget(cls, v):
+        if v < -1:
+            raise ValueError(f"reasoning_budget must be -1 (none) or at least 0, got {v}")
+        return v
 
     @field_validator("max_body_bytes", "max_json_depth", "max_messages", "replicas")
     @classmethod
@@ -134,6 +142,8 @@ class Serving:
         self.context_length, self.vocab = self.config.context_length, self.config.vocab
         self.token_text = TokenText(self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
+        self.served = ServedModel(self.model_name, self.tokenizer, self.context_length, self.vocab, args.max_messages,
+                                  None if args.reasoning_budget == -1 else args.reasoning_budget)
         self.created = int(time.time())
         self.api_key = args.api_key.encode() if args.api_key else None
         self.live: set[Generation] = set()        # generations not yet finished
@@ -162,12 +172,7 @@ class Serving:
         if _depth(body) > args.max_json_depth:
             raise APIError(400, f"the request body nests deeper than --max-json-depth ({args.max_json_depth})",
                            code="json_too_deep")
-        for name in ("messages", "input"):     # a chat's messages, a response's input items
-            messages = body.get(name) if isinstance(body, dict) else None
-            if isinstance(messages, list) and len(messages) > args.max_messages:
-                raise APIError(400, f"{name} has {len(messages)} entries, more than --max-messages "
-                                    f"({args.max_messages})", param=name, code="too_many_messages")
-        return parse(body, self.model_name, self.tokenizer, self.context_length, self.vocab)
+        return parse(body, self.served)
 
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
         """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""

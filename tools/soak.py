@@ -35,7 +35,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES   # the server's limits, probed here
+from raymoe.deploy.protocol import MAX_MESSAGES                        # the server's limits, probed here
+from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from raymoe.stages.text.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS, MAX_STOPS
 
 RSS_LIMIT = 0.10

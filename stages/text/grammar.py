@@ -13,6 +13,19 @@ from raymoe.stages.text.tools import ToolRequest
 # write it), no other whitespace, so that a sampled answer cannot run on in spaces and newlines.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FREE_TEXT = "/(.|\\n)*/"             # reasoning: any text (special tokens end it)
+FREE_ANSWER = "answer: <[*]>*"       # an answer that no grammar constrains: any tokens
+REASONING_RULE = "reasoning"         # the rule the formats' grammars write reasoning as (reasoning_rule)
+
+
+def reasoning_rule(budget: int | None) -> str:
+    """The Lark rule of the reasoning: free text, at most `budget` tokens when one is given (llguidance ends
+    the rule there, so that the grammar then allows only what closes the reasoning: the budget is kept by
+    the engine, whatever the model would write)."""
+    if budget is None:
+        return f"{REASONING_RULE}: {FREE_TEXT}"
+    if budget == 0:
+        return f'{REASONING_RULE}: ""'
+    return f"{REASONING_RULE}[max_tokens={budget}]: {FREE_TEXT}"
 
 
 def llguidance():

@@ -68,13 +68,23 @@ def sampling_params(request: dict, defaults: SamplingParams, context_length: int
     return SamplingParams.from_dict(request, defaults, context_length, vocab)
 
 
+def reasoning_budget(value, name: str = "thinking_token_budget") -> int | None:
+    """The most tokens of reasoning a request allows (None or -1: no bound), or RequestError naming `name`."""
+    if value is None or value == -1 and type(value) is int:
+        return None
+    if type(value) is not int or value < 0:
+        raise RequestError(f"{name} must be an integer >= 0 (or -1: no budget), got {repr(value)[:40]}")
+    return value
+
+
 def line_grammar(request: dict, tokenizer, ids: list[int]) -> str | None:
     """The grammar of a request's structured output (stages/text/structured.py): from its `response_format` and a
     `tool_choice` that forces a call (a batch line's keys; a `messages` line's output in the model's chat
-    format), or its own `grammar` (what the server sends, having built it the same way); None for neither."""
+    format, its reasoning within `thinking_token_budget`), or its own `grammar` (what the server sends, having built it the same way); None for neither."""
     schema = response_schema(request.get("response_format"))
     tools = tool_request(request) if "messages" in request else None
-    grammar = output_grammar(tokenizer, ids, schema, tools, chat="messages" in request)
+    budget = reasoning_budget(request.get("thinking_token_budget"))
+    grammar = output_grammar(tokenizer, ids, schema, tools, chat="messages" in request, reasoning_budget=budget)
     if grammar is not None and request.get("grammar") is not None:
         raise RequestError("a request takes grammar or response_format (and tool_choice), not both")
     return grammar if grammar is not None else request.get("grammar")

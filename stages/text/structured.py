@@ -5,7 +5,8 @@ The grammar engine is llguidance (a Rust library with a Python wheel that needs 
 GPU): it compiles JSON schemas and Lark grammars against the model's own tokenizer, and gives the
 mask of the tokens allowed next in microseconds. A grammar is Lark text in llguidance's syntax,
 written here for the whole output the model writes, in its chat format: reasoning first (free text,
-ended by Qwen's `</think>` or a harmony analysis message), then the answer (the JSON, or the tool call in
+ended by Qwen's `</think>` or a harmony analysis message, at most a reasoning budget's tokens when the
+request sets one: thinking_token_budget), then the answer (the JSON, or the tool call in
 the form the chat template teaches: stages/text/formats/), then the end token, after which the grammar
 allows nothing more, so the sequence stops with finish_reason "stop". Special tokens are named by id
 (`<[id]>`).
@@ -23,8 +24,8 @@ from collections import OrderedDict
 from raymoe.stages.errors import RequestError, check_json_size
 from raymoe.stages.text.formats.hermes import Hermes
 from raymoe.stages.text.formats.registry import chat_format
-from raymoe.stages.text.grammar import (Writer, call_schema, check_schema, end_token, error_line, json_rule,
-                                        llg_tokenizer, llguidance)
+from raymoe.stages.text.grammar import (FREE_ANSWER, Writer, call_schema, check_schema, end_token, error_line,
+                                        json_rule, llg_tokenizer, llguidance, reasoning_rule)
 from raymoe.stages.text.tools import FUNCTION_NAME, ToolRequest
 
 MAX_SCHEMA_BYTES = 256 * 1024        # one JSON schema (response_format), as JSON
@@ -92,14 +93,15 @@ def _forced(tools: ToolRequest | None) -> list[str]:
 
 
 def output_grammar(tokenizer, prompt_ids: list[int], schema: dict | None, tools: ToolRequest | None,
-                   chat: bool = True, schema_field: str = "response_format") -> str | None:
+                   chat: bool = True, schema_field: str = "response_format",
+                   reasoning_budget: int | None = None) -> str | None:
     """The grammar of the output to `prompt_ids`: its answer the JSON that `schema` describes, or a call
-    that tool_choice forces (it wins over the schema); None when neither asks for one. With `chat`, the
-    output has the model's chat format (reasoning first, where the prompt leaves it to the model);
-    otherwise it is the answer alone, then the end token. schema_field: the request field an error about
-    the schema names."""
+    that tool_choice forces (it wins over the schema); None when neither asks for one and no reasoning
+    budget bounds the output. With `chat`, the output has the model's chat format (reasoning first, where the
+    prompt leaves it to the model, at most `reasoning_budget` tokens of it); otherwise it is the answer alone,
+    then the end token. schema_field: the request field an error about the schema names."""
     names = _forced(tools)
-    if schema is None and not names:
+    if schema is None and not names and reasoning_budget is None:
         return None
     for name in names:           # each part alone first, for an error that names it
         check_schema(call_schema(tools, name), tokenizer, f"tools: the parameters of {name}")
@@ -109,11 +111,16 @@ def output_grammar(tokenizer, prompt_ids: list[int], schema: dict | None, tools:
     fmt = chat_format(tokenizer) if chat else None
     parser = fmt.parser(tokenizer, prompt_ids, tool_calls=bool(names)) if fmt is not None else None
     end = f"<[{end_token(tokenizer)}]>"
-    if parser is None:              # the answer alone (a forced call in the hermes form), then the end token
+    if schema is None and not names:     # a budget alone: where there is reasoning to bound, the answer is free
+        if parser is None or not fmt.reasons(parser):
+            return None
+        rules = [FREE_ANSWER]
+    elif parser is None:              # the answer alone (a forced call in the hermes form), then the end token
         rules = PLAIN.call_rules(w, tools, names) if names else [f"answer: {json_rule(schema)}"]
         return "\n".join([f"start: answer {end}", *rules])
-    rules = fmt.call_rules(w, tools, names) if names else [f"answer: {json_rule(schema)}"]
-    return fmt.grammar(w, parser, rules, bool(names), end)
+    else:
+        rules = fmt.call_rules(w, tools, names) if names else [f"answer: {json_rule(schema)}"]
+    return "\n".join([fmt.grammar(w, parser, rules, bool(names), end), reasoning_rule(reasoning_budget)])
 
 
 # ---- the last stage's matchers ----------------------------------------------------------------------

@@ -46,11 +46,11 @@ def document() -> dict:
     needs it before the server runs; test_the_server_publishes_this_document checks they agree)."""
     from raymoe.deploy.api_schema import openapi_document
     from raymoe.deploy.http_app import api
-    from raymoe.deploy.serving import MAX_MESSAGES
+    from raymoe.deploy.protocol import ServedModel
     from raymoe.stages.files.loader import open_model
     files = open_model(MODEL, CONTEXT)
-    return openapi_document(api, model_name=MODEL, tokenizer=files.tokenizer, vocab=files.config.vocab,
-                            context_length=files.config.context_length, max_messages=MAX_MESSAGES, api_key=True)
+    served = ServedModel(MODEL, files.tokenizer, files.config.context_length, files.config.vocab)
+    return openapi_document(api, served, api_key=True)
 
 
 DOCUMENT = document()

@@ -9,6 +9,7 @@ import pytest
 from chat_templates import GPTOSS, QWEN35
 from raymoe.cluster.engine_args import EngineArgs, add_engine_flags
 from raymoe.deploy.openai_api import APIError, parse_chat, parse_tokenize
+from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.text.chat import MAX_TEMPLATE_KWARGS, check_template_kwargs, load_chat_template
 from raymoe.stages.errors import RaymoeError, RequestError
 from raymoe.stages.files.loader import open_model
@@ -84,8 +85,10 @@ def test_api_template_kwargs_and_reasoning_effort(gptoss_model):
     tok = tokenizer(gptoss_model, GPTOSS)
     cfg = gptoss_model.config
 
+    served = ServedModel("m", tok, cfg.context_length, cfg.vocab)
+
     def rendered(**body):
-        return tok.decode(parse_chat({"messages": HI, **body}, "m", tok, cfg.context_length, cfg.vocab).prompt_ids)
+        return tok.decode(parse_chat({"messages": HI, **body}, served).prompt_ids)
 
     assert "Reasoning: medium" in rendered()
     assert "Reasoning: high" in rendered(chat_template_kwargs={"reasoning_effort": "high"})
@@ -229,9 +232,10 @@ def test_tokenize_renders_like_chat(gptoss_model):
     tok = tokenizer(gptoss_model, GPTOSS)
     cfg = gptoss_model.config
     body = {"messages": HI, "reasoning_effort": "high"}
-    chat = parse_chat(dict(body), "m", tok, cfg.context_length, cfg.vocab)
-    assert parse_tokenize(dict(body), "m", tok, cfg.context_length, cfg.vocab)["tokens"] == chat.prompt_ids
-    no_gen = parse_tokenize({**body, "add_generation_prompt": False}, "m", tok, cfg.context_length, cfg.vocab)
+    served = ServedModel("m", tok, cfg.context_length, cfg.vocab)
+    chat = parse_chat(dict(body), served)
+    assert parse_tokenize(dict(body), served)["tokens"] == chat.prompt_ids
+    no_gen = parse_tokenize({**body, "add_generation_prompt": False}, served)
     assert chat.prompt_ids[:no_gen["count"]] == no_gen["tokens"] and no_gen["count"] < len(chat.prompt_ids)
 
 

@@ -89,16 +89,16 @@ def test_history_with_reasoning_renders_on_the_analysis_channel(server, tok):
 @pytest.mark.parametrize("path, body, param, message", [
     ("/tokenize", {"prompt": "a", "messages": HI}, "messages", "exactly one of prompt"),
     ("/tokenize", {}, "prompt", "exactly one of prompt"),
-    ("/tokenize", {"prompt": ["a"]}, "prompt", "prompt must be a string"),
-    ("/tokenize", {"messages": []}, "messages", "messages must be a non-empty list"),
+    ("/tokenize", {"prompt": ["a"]}, "prompt", "prompt: input should be a valid string"),
+    ("/tokenize", {"messages": []}, "messages", "messages: list should have at least 1 item"),
     ("/tokenize", {"messages": HI, "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs",
      "'messages' is set by the server"),
-    ("/tokenize", {"messages": HI, "add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
+    ("/tokenize", {"messages": HI, "add_generation_prompt": "yes"}, "add_generation_prompt", "input should be a valid boolean"),
     ("/tokenize", {"prompt": "a", "model": "other"}, "model", "does not exist"),
-    ("/detokenize", {"tokens": "1 2"}, "tokens", "tokens must be a list of token ids"),
-    ("/detokenize", {"tokens": [1, True]}, "tokens", "tokens must be a list of token ids"),
-    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens", "outside the vocabulary"),
-    ("/detokenize", {}, "tokens", "tokens must be a list"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens", "tokens: input should be a valid list"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens", "tokens[1]: input should be a valid integer"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens", "tokens[1]: token id 1000000000 is outside the vocabulary"),
+    ("/detokenize", {}, "tokens", "tokens: field required"),
 ])
 def test_tokenizer_endpoints_refuse_bad_input(server, path, body, param, message):
     status, error = post(server + path, body)

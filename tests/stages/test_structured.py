@@ -11,6 +11,7 @@ import torch
 from structured_cases import ASK, PERSON, SCHEMAS, TOOLS, WEATHER, reasoning_end_bias, response_format
 
 from raymoe.deploy.openai_api import APIError, parse_chat
+from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.runtime.engine import LocalEngine
 from raymoe.stages.errors import RequestError
 from raymoe.stages.files.loader import open_model
@@ -27,9 +28,9 @@ def model(request):
     return open_model(request.param)
 
 
-def answers(model, prompt_ids, grammar, n, seed=0, **params):
+def answers(model, prompt_ids, grammar, n, seed=0, max_tokens=160, **params):
     engine = LocalEngine(model, 1, "float32")
-    seqs = [engine.add_request(i, prompt_ids, SamplingParams(max_tokens=160, temperature=1.0, seed=seed + i,
+    seqs = [engine.add_request(i, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i,
                                                              grammar=grammar, **params)) for i in range(n)]
     engine.run_until_done()
     return seqs
@@ -90,6 +91,45 @@ def test_a_forced_call_is_a_call_with_valid_arguments(model):
                 assert choice == "required" and function["name"] == "get_time" and isinstance(arguments, dict)
 
 
+def reasoned(tok, output_ids: list[int]) -> int | None:
+    """How many tokens of reasoning an output holds: before Qwen's </think> (None when it never comes), in
+    harmony's analysis message (0 when the output has none)."""
+    if "<|end|>" not in tok.special_tokens:
+        end = tok.token_to_id("</think>")
+        return output_ids.index(end) if end in output_ids else None
+    channel, message, end = (tok.special_tokens[t] for t in ("<|channel|>", "<|message|>", "<|end|>"))
+    if output_ids[:1] != [channel] or message not in output_ids:
+        return 0
+    body = output_ids.index(message) + 1
+    return output_ids.index(end) - body if tok.decode(output_ids[1:body - 1]) == "analysis" else 0
+
+
+def test_a_reasoning_budget_ends_the_reasoning(model):
+    """thinking_token_budget, with no bias: the tiny models, which seldom end their reasoning, reason at most
+    the budget, then the engine ends it (Qwen's </think>; harmony's final channel), and a forced call still
+    comes whole within max_tokens; a budget alone leaves the answer free, and 0 skips the reasoning."""
+    from raymoe.stages.text.answers import split_chat_result
+    tok = model.tokenizer
+    line = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "thinking_token_budget": 12}
+    ids = tok.encode(chat_prompt(ASK, tok, tools=tool_request(line).template_tools()))
+    seqs = answers(model, ids, line_grammar(line, tok, ids), 3)
+    assert max(reasoned(tok, s.output_ids) for s in seqs) == 12        # the budget, reached
+    for seq in seqs:
+        result = split_chat_result(seq.result(), tok, line)
+        assert result["finish_reason"] == "tool_calls", result
+        jsonschema.validate(json.loads(result["tool_calls"][0]["function"]["arguments"]),
+                            TOOLS[0]["function"]["parameters"])
+    ids = tok.encode(chat_prompt(ASK, tok))
+    for budget in (5, 0):
+        grammar = line_grammar({"messages": ASK, "thinking_token_budget": budget}, tok, ids)
+        for seq in answers(model, ids, grammar, 2, max_tokens=30):
+            assert reasoned(tok, seq.output_ids) <= budget, tok.decode(seq.output_ids)
+    assert line_grammar({"messages": ASK, "thinking_token_budget": -1}, tok, ids) is None
+    with pytest.raises(RequestError, match="thinking_token_budget must be an integer >= 0"):
+        line_grammar({"messages": ASK, "thinking_token_budget": 1.5}, tok, ids)
+
+
 def test_a_split_pipeline_samples_the_same(model):
     """Two stages (the matchers on the last) give the tokens one gives."""
     tok = model.tokenizer
@@ -106,23 +146,30 @@ def test_a_split_pipeline_samples_the_same(model):
 BAD = [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
        ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "json_schema.name"),
        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "nowhere"),
-       ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "must be a JSON schema"),
-       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}, "unknown field 'extra'"),
-       ({"type": "xml"}, "response_format.type must be one of text, json_object, json_schema"),
-       ("json", "response_format.type")]
+       ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
+        "response_format.json_schema.schema: input should be a valid dictionary"),
+       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
+        "supplied: response_format.json_schema.'extra'"),
+       ({"type": "xml"}, "response_format.type: input should be 'text' or 'json_object', got 'xml'"),
+       ("json", "response_format: input should be a valid dictionary")]
+
+
+def served(m) -> ServedModel:
+    return ServedModel("m", m.tokenizer, m.config.context_length, m.config.vocab)
 
 
 @pytest.mark.parametrize("fmt, says", BAD)
 def test_bad_response_formats_are_400_naming_the_problem(fmt, says):
     m = open_model("tiny-qwen35moe")
     with pytest.raises(APIError) as e:
-        parse_chat({"messages": ASK, "response_format": fmt}, "m", m.tokenizer, m.config.context_length, m.config.vocab)
-    assert e.value.status == 400 and e.value.param == "response_format" and says in e.value.message, e.value.message
+        parse_chat({"messages": ASK, "response_format": fmt}, served(m))
+    param = "extra" if "Unrecognized" in e.value.message else "response_format"      # an unknown field names itself
+    assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
 
 
 def test_other_refusals():
     m = open_model("tiny-qwen35moe")
-    args = ("m", m.tokenizer, m.config.context_length, m.config.vocab)
+    args = (served(m),)
     bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "nope"}}}}}]
     for body, param, says in (
@@ -144,7 +191,7 @@ def test_json_object_and_responses_text_format():
     reaches the same grammar as the chat's response_format."""
     from raymoe.deploy.responses_api import parse_responses
     m = open_model("tiny-qwen35moe")
-    tok, args = m.tokenizer, ("m", m.tokenizer, m.config.context_length, m.config.vocab)
+    tok, args = m.tokenizer, (served(m),)
     chat = parse_chat({"messages": ASK, "response_format": {"type": "json_object"},
                        "chat_template_kwargs": {"enable_thinking": False}}, *args)
     out = tok.encode('{"a": [1, {"b": null}], "c": "x"}')

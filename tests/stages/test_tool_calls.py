@@ -16,6 +16,7 @@ from chat_templates import GPTOSS, QWEN35
 from engine_updates import engine_updates
 from raymoe.cluster.engine_args import EngineArgs
 from raymoe.deploy.openai_api import APIError, StreamFormatter, TokenText, chat_response, parse_chat, parse_tokenize
+from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.errors import RequestError
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.requests import chat_prompt, prompt_ids
@@ -53,8 +54,8 @@ def gptoss():
 
 def prepare(model, stream=False, **body):
     tok, cfg = model
-    return parse_chat({"messages": ASK, "tools": TOOLS, **body, "stream": stream}, "m", tok, cfg.context_length,
-                      cfg.vocab)
+    return parse_chat({"messages": ASK, "tools": TOOLS, **body, "stream": stream},
+                      ServedModel("m", tok, cfg.context_length, cfg.vocab))
 
 
 def answer(model, output: str, stops=(), body=None, **params) -> dict:
@@ -147,7 +148,8 @@ def test_tools_reach_the_template_as_tool_choice_says(qwen, gptoss):
             "} // namespace functions<|end|>") in harmony
     # /tokenize renders a chat with tools as the chat endpoint does
     cfg = qwen[1]
-    tokens = parse_tokenize({"messages": ASK, "tools": TOOLS}, "m", tok, cfg.context_length, cfg.vocab)["tokens"]
+    tokens = parse_tokenize({"messages": ASK, "tools": TOOLS}, ServedModel("m", tok, cfg.context_length,
+                                                                            cfg.vocab))["tokens"]
     assert tokens == prepare(qwen).prompt_ids
     # and a batch line's tools reach the coordinator's rendering
     assert prompt_ids({"messages": ASK, "tools": TOOLS}, tok) == tokens

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from raymoe.tools import soak
-from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from raymoe.deploy.protocol import MAX_MESSAGES
+from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from raymoe.stages.text.sampling_params import MAX_STOP_CHARS, MAX_STOPS
 
 pytestmark = pytest.mark.cluster

@@ -24,10 +24,15 @@ class ChatFormat:
         """A fresh reader of the calls in one answer that this format's parser labelled."""
         raise NotImplementedError
 
+    def reasons(self, parser: OutputParser) -> bool:
+        """Whether an output that `parser` starts reading may hold reasoning (a budget then bounds it)."""
+        return False
+
     def grammar(self, w: Writer, parser: OutputParser, rules: list[str], call: bool, end: str) -> str:
         """The Lark grammar of the whole output, in the state `parser` starts in (reasoning first where the
         prompt leaves it to the model), around `rules`, whose first defines `answer`: the JSON (call False)
-        or a call (call_rules); then `end`, the end token by id, where the format ends an answer with it."""
+        or a call (call_rules); then `end`, the end token by id, where the format ends an answer with it. Reasoning
+        is written as the rule grammar.REASONING_RULE, which the caller defines (its budget)."""
         raise NotImplementedError
 
     def call_rules(self, w: Writer, tools: ToolRequest, names: list[str]) -> list[str]:

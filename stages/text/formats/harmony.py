@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 
 from raymoe.stages.text.formats.base import ChatFormat
-from raymoe.stages.text.grammar import FREE_TEXT, Writer, call_schema, json_rule
+from raymoe.stages.text.grammar import REASONING_RULE, Writer, call_schema, json_rule
 from raymoe.stages.text.reasoning import CALL_END, CONTENT, HIDDEN, REASONING, CallBody, OutputParser, last_index
 from raymoe.stages.text.tool_calls import ToolCalls, json_object
 from raymoe.stages.text.tools import FUNCTION_NAME, ToolRequest
@@ -170,6 +170,9 @@ class Harmony(ChatFormat):
                          f"{json_rule(call_schema(tools, n))} {w.token('<|call|>')}")
         return rules
 
+    def reasons(self, parser: OutputParser) -> bool:
+        return isinstance(parser, HarmonyParser) and (parser.header is not None or parser.field == REASONING)
+
     def grammar(self, w: Writer, parser: OutputParser, rules: list[str], call: bool, end: str) -> str:
         """An optional analysis message, then a final message holding the JSON, ended by <|return|> (or the
         call, ended by <|call|>), whatever state the prompt leaves the output in."""
@@ -181,12 +184,12 @@ class Harmony(ChatFormat):
         else:
             constrain = f"({w.text(' ')} {w.token('<|constrain|>')} {w.text('json')})?"
             body = f"{channel} {w.text('final')} {constrain} {message} answer {w.token('<|return|>')}"
-        analysis = f"{channel} {w.text('analysis')} {message} {FREE_TEXT} {next_message}"
+        analysis = f"{channel} {w.text('analysis')} {message} {REASONING_RULE} {next_message}"
         if parser.header is not None:     # at a header: the prompt ended in <|start|>assistant (or a message's end)
             opening = "" if parser.header else f"{start} {w.text('assistant')} "
             top = f"start: {opening}({analysis})? {body}"
         elif parser.field == REASONING or call:  # inside an analysis message, or another one before a call: end it
-            top = f"start: {FREE_TEXT} {next_message} {body}"
+            top = f"start: {REASONING_RULE} {next_message} {body}"
         else:                                  # inside the final message: the JSON continues it
             top = f"start: answer {w.token('<|return|>')}"
         return "\n".join([top, *rules])

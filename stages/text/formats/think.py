@@ -12,7 +12,7 @@ The tags are read by id, as are `<tool_call>` and `</tool_call>` where the token
 from __future__ import annotations
 
 from raymoe.stages.text.formats.base import ChatFormat
-from raymoe.stages.text.grammar import FREE_TEXT, Writer
+from raymoe.stages.text.grammar import REASONING_RULE, Writer
 from raymoe.stages.text.reasoning import CALL_END, CALL_START, CONTENT, HIDDEN, REASONING, OutputParser, last_index
 from raymoe.stages.text.tool_calls import END, START, TextToolCalls, ToolCalls
 from raymoe.stages.text.tools import ToolRequest
@@ -73,10 +73,13 @@ class ThinkFormat(ChatFormat):
         return [f"answer: call{more}", f"call: {w.text(START + chr(10))} body {w.text(chr(10) + END)}",
                 *self.call_body(w, tools, names)]
 
+    def reasons(self, parser: OutputParser) -> bool:
+        return isinstance(parser, ThinkParser) and parser.field == REASONING
+
     def grammar(self, w: Writer, parser: OutputParser, rules: list[str], call: bool, end: str) -> str:
         if isinstance(parser, ThinkParser) and parser.field == REASONING:
             # the generation prompt opened <think>: free reasoning, </think>, then the answer
-            start = f"start: {FREE_TEXT} <[{parser.end}]> /\\n{{0,2}}/ answer {end}"
+            start = f"start: {REASONING_RULE} <[{parser.end}]> /\\n{{0,2}}/ answer {end}"
         else:
             start = f"start: answer {end}"
         return "\n".join([start, *rules])
