@@ -30,10 +30,15 @@ class ErrorResponse(Closed):
     error: ErrorDetail
 
 
+class PromptTokensDetails(Closed):
+    cached_tokens: int = Field(description="the prompt's tokens that the prefix cache gave")
+
+
 class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 FinishReason = Literal["stop", "length"]
@@ -344,10 +349,121 @@ class ResponseErrorEvent(_Event):
     param: str | None
 
 
+# ---- /v1/messages (deploy/messages_api.py) ----
+
+class TextBlock(Closed):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(Closed):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class ToolUseBlock(Closed):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class MessageUsage(Closed):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = Field(description="the prompt's tokens that the prefix cache gave")
+
+
+class Message(Closed):
+    """POST /v1/messages: the assistant's message."""
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class AnthropicErrorDetail(Closed):
+    type: str
+    message: str
+
+
+class AnthropicError(Closed):
+    """Every error of /v1/messages (and its stream's error event): Anthropic's shape."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageStartEvent(Closed):
+    type: Literal["message_start"]
+    message: Message
+
+
+class BlockStartEvent(Closed):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(Closed):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(Closed):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class InputJsonDelta(Closed):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class BlockDeltaEvent(Closed):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: TextDelta | ThinkingDelta | InputJsonDelta
+
+
+class BlockStopEvent(Closed):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class MessageDelta(Closed):
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+
+
+class OutputUsage(Closed):
+    output_tokens: int
+
+
+class MessageDeltaEvent(Closed):
+    type: Literal["message_delta"]
+    delta: MessageDelta
+    usage: OutputUsage
+
+
+class MessageStopEvent(Closed):
+    type: Literal["message_stop"]
+
+
+MESSAGE_EVENTS = [MessageStartEvent, BlockStartEvent, BlockDeltaEvent, BlockStopEvent, MessageDeltaEvent,
+                  MessageStopEvent, AnthropicError]
 RESPONSE_EVENTS = [ResponseLifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent,
                    ArgumentsDeltaEvent, ArgumentsDoneEvent, ResponseErrorEvent]
 RESPONSES = [ErrorResponse, Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList,
-             TokenizeResponse, DetokenizeResponse, Health, Response, *RESPONSE_EVENTS]
+             TokenizeResponse, DetokenizeResponse, Health, Response, *RESPONSE_EVENTS, Message, *MESSAGE_EVENTS]
 
 
 # ---- the document -----------------------------------------------------------------------------------
@@ -356,8 +472,8 @@ def _json(name: str) -> dict:
     return {"application/json": {"schema": {"$ref": REF.format(model=name)}}}
 
 
-def _error(description: str) -> dict:
-    return {"description": description, "content": _json("ErrorResponse")}
+def _error(description: str, model: str = "ErrorResponse") -> dict:
+    return {"description": description, "content": _json(model)}
 
 
 ERRORS = {400: "a request that the server refuses (the error names the field)", 401: "no or a wrong API key",
@@ -390,21 +506,24 @@ def openapi_document(app, served: ServedModel, *, api_key: bool, version: str = 
         return {"body": _json(request), "ok": {**_json(response), **events(chunk)}, "errors": (400, 401, 404, 413, 503),
                 "secured": True}
 
-    def response_events() -> dict:
-        """text/event-stream of /v1/responses: named events (`event: <type>`), each one's data an event object."""
+    def named_events(models: list, span: str) -> dict:
+        """text/event-stream of named events (`event: <type>`), each one's data an event object of `models`."""
         payload = {"type": "string", "contentMediaType": "application/json",
-                   "contentSchema": {"anyOf": [{"$ref": REF.format(model=m.__name__)} for m in RESPONSE_EVENTS]}}
+                   "contentSchema": {"anyOf": [{"$ref": REF.format(model=m.__name__)} for m in models]}}
         return {"text/event-stream": {"schema": {
             "type": "object", "required": ["event", "data"], "properties": {"event": {"type": "string"}, "data": payload},
-            "description": "with stream: true, events `event: <type>` `data: <the event as JSON>`, from "
-                           "response.created to response.completed (or response.incomplete, or error)"}}}
+            "description": f"with stream: true, events `event: <type>` `data: <the event as JSON>`, {span}"}}}
 
     operations = {
         ("/v1/models", "get"): {"ok": _json("ModelList"), "errors": (401,), "secured": True},
         ("/v1/completions", "post"): generation("CompletionRequest", "Completion", "CompletionChunk"),
         ("/v1/chat/completions", "post"): generation("ChatRequest", "ChatCompletion", "ChatCompletionChunk"),
-        ("/v1/responses", "post"): {"body": _json("ResponsesRequest"), "ok": {**_json("Response"), **response_events()},
-                                    "errors": (400, 401, 404, 413, 503), "secured": True},
+        ("/v1/responses", "post"): {"body": _json("ResponsesRequest"), "ok": {**_json("Response"), **named_events(
+            RESPONSE_EVENTS, "from response.created to response.completed (or response.incomplete, or error)")},
+            "errors": (400, 401, 404, 413, 503), "secured": True},
+        ("/v1/messages", "post"): {"body": _json("MessagesRequest"), "ok": {**_json("Message"), **named_events(
+            MESSAGE_EVENTS, "from message_start to message_stop (or error)")},
+            "errors": (400, 401, 404, 413, 503), "secured": True, "error_model": "AnthropicError"},
         ("/tokenize", "post"): {"body": {"application/json": {"schema": {"oneOf": [
             {"$ref": REF.format(model="TokenizePrompt")}, {"$ref": REF.format(model="TokenizeChat")}]}}},
             "ok": _json("TokenizeResponse"), "errors": (400, 401, 404, 413), "secured": True},
@@ -420,8 +539,8 @@ def openapi_document(app, served: ServedModel, *, api_key: bool, version: str = 
         if "body" in op:
             entry["requestBody"] = {"required": True, "content": op["body"]}
         entry["responses"] = {"200": {"description": "OK", "content": op["ok"]},
-                              **{str(status): _error(ERRORS[status]) for status in op["errors"]
-                                 if status != 401 or api_key}}
+                              **{str(status): _error(ERRORS[status], op.get("error_model", "ErrorResponse"))
+                                 for status in op["errors"] if status != 401 or api_key}}
         if op["secured"] and api_key:
             entry["security"] = [{SECURITY_SCHEME: []}]
     doc["paths"]["/health"]["get"]["responses"]["503"]["description"] = HEALTH_503

@@ -29,6 +29,12 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 500: grpc.StatusCode.INTERNAL}
 
 
+def usage_pb(result_usage: dict) -> pb.Usage:
+    u = usage(**result_usage)
+    return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                    total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"])
+
+
 def engine_request(request: pb.GenerateRequest, serving) -> dict:
     """The deploy.generate JSONL line of a GenerateRequest, with the prompt tokenized (as the HTTP API does)."""
     if request.model and request.model != serving.model_name:
@@ -142,7 +148,7 @@ class RaymoeServicer:
             return pb.GenerateResponse(
                 id=rid, model=self.serving.model_name, prompt_token_ids=result["prompt_token_ids"],
                 token_ids=result["token_ids"], text=fields[CONTENT], finish_reason=result["finish_reason"],
-                usage=pb.Usage(**usage(**result["usage"])), logprobs=logprobs_pb(result["logprobs"]),
+                usage=usage_pb(result["usage"]), logprobs=logprobs_pb(result["logprobs"]),
                 reasoning_content=fields[REASONING])
         except APIError as e:
             self.serving.metrics.answered("grpc_generate", e.status)
@@ -172,7 +178,7 @@ class RaymoeServicer:
                     else:
                         message.text = deltas.final(result["text"])
                     message.finish_reason = result["finish_reason"]
-                    message.usage.CopyFrom(pb.Usage(**usage(**result["usage"])))
+                    message.usage.CopyFrom(usage_pb(result["usage"]))
                 elif split is not None:
                     _fields(message, split.update(update["token_ids"]))
                 else:

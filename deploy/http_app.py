@@ -20,6 +20,7 @@ from raymoe.deploy.grpc_service import RaymoeServicer
 from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                       models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       sse, usage_chunk)
+from raymoe.deploy.messages_api import MessageBlocks, error_body, message_body, message_sse, parse_messages
 from raymoe.deploy.responses_api import ResponseItems, error_event, parse_responses, response_body, response_sse
 from raymoe.deploy.serving import STOP_GRACE_S, Generation, ServeArgs, Serving, shutting_down
 from raymoe.protos.raymoe_pb2_grpc import add_RaymoeServicer_to_server
@@ -58,6 +59,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    """/v1/messages answers errors in Anthropic's shape."""
+    return JSONResponse(error_body(e), status_code=e.status)
+
+
+def authorization(request: Request) -> str | None:
+    """The API key as an Authorization header value: OpenAI's clients send `Authorization: Bearer KEY`,
+    Anthropic's `x-api-key: KEY`."""
+    key = request.headers.get("x-api-key")
+    return request.headers.get("authorization") or (None if key is None else f"Bearer {key}")
 
 
 def unauthorized() -> APIError:
@@ -242,6 +255,11 @@ class RaymoeServer:
         """OpenAI's Responses API over the chat path (deploy/responses_api.py)."""
         return await self._generate("responses", request, parse_responses)
 
+    @api.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic's Messages API over the chat path (deploy/messages_api.py)."""
+        return await self._generate("messages", request, parse_messages, anthropic_error_response)
+
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation request would get them."""
@@ -290,11 +308,11 @@ class RaymoeServer:
             pass                   # the gauges keep their last values
         return Response(self.serving.metrics.render(), media_type=self.serving.metrics.content_type)
 
-    async def _generate(self, endpoint: str, request: Request, parse):
+    async def _generate(self, endpoint: str, request: Request, parse, errors=error_response):
         s = self.serving
         arrived = perf_counter()
         try:
-            if not s.authorized(request.headers.get("authorization")):
+            if not s.authorized(authorization(request)):
                 raise unauthorized()
             raw = await read_body(request, s.args.max_body_bytes)
             p = await asyncio.to_thread(s.prepare, raw, parse)      # /health answers meanwhile
@@ -308,18 +326,24 @@ class RaymoeServer:
                 raise
         except APIError as e:
             s.metrics.answered(endpoint, e.status)
-            return error_response(e)
+            return errors(e)
         try:
             prompt_text = s.tokenizer.decode(p.prompt_ids) if p.echo else ""
             if p.stream:
-                events = self._response_events(p, generations[0]) if p.kind == "response" else \
-                    self._events(p, generations, prompt_text)
+                if p.kind == "response":
+                    events = self._response_events(p, generations[0])
+                elif p.kind == "message":
+                    events = self._message_events(p, generations[0])
+                else:
+                    events = self._events(p, generations, prompt_text)
                 response = GenerationStream(events, generations)
                 s.metrics.answered(endpoint, 200)
                 return response
             results = await asyncio.gather(*(g.result() for g in generations))
             if p.kind == "response":
                 body = response_body(p, results[0])
+            elif p.kind == "message":
+                body = message_body(p, results[0], s.tokenizer)
             elif p.kind == "chat":
                 body = chat_response(p, results, s.token_text)
             else:
@@ -328,7 +352,7 @@ class RaymoeServer:
             return JSONResponse(body)
         except APIError as e:
             s.metrics.answered(endpoint, e.status)
-            return error_response(e)
+            return errors(e)
         finally:
             if not p.stream:
                 for generation in generations:
@@ -374,6 +398,24 @@ class RaymoeServer:
             log.exception("stream failed")
             yield response_sse(error_event(APIError(500, f"generation failed: {type(e).__name__}: {e}"),
                                            items.sequence))
+
+    async def _message_events(self, p, generation: Generation):
+        """A Messages stream: Anthropic's events, named, from message_start to message_stop (or an error event)."""
+        blocks = MessageBlocks(p, self.serving.tokenizer)
+        try:
+            for event in blocks.start():
+                yield message_sse(event)
+            async for update in generation.updates():
+                for event in blocks.update(update):
+                    yield message_sse(event)
+        except APIError as e:
+            yield message_sse(error_body(e))
+        except Exception as e:     # the pipeline failed mid-stream: say so in the stream
+            if client_gone(e):
+                log.info("client disconnected from a stream (%s)", type(e).__name__)
+                return
+            log.exception("stream failed")
+            yield message_sse(error_body(APIError(500, f"generation failed: {type(e).__name__}: {e}")))
 
     # ---- Serve hooks -------------------------------------------------------------------------------
     async def check_health(self):

@@ -275,9 +275,11 @@ def parse_detokenize(body: dict, served: ServedModel) -> dict:
 
 # ---- responses ------------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt's tokens that the prefix cache gave (as OpenAI and vLLM say)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class TokenText:
@@ -352,7 +354,9 @@ def check_result(result: dict):
 
 def total_usage(results: list[dict]) -> dict:
     """The usage of a request's choices: its prompt once (as OpenAI and vLLM count it), every choice's tokens."""
-    return usage(results[0]["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results))
+    first = results[0]["usage"]
+    return usage(first["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results),
+                 first.get("cached_tokens", 0))
 
 
 def completion_response(p: Prepared, results: list[dict], token_text: TokenText, prompt_text: str | None) -> dict:

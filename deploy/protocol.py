@@ -272,7 +272,79 @@ def request_models(model_name: str, vocab: int, context_length: int, max_message
         store: Anything = None
         service_tier: Anything = None
 
-    models = [CompletionRequest, ChatRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest, ResponsesRequest]
+    class InputText(_OpenRequest):
+        """A text block (other fields, such as cache_control, are accepted and ignored)."""
+        type: Literal["text"]
+        text: str
+
+    class InputToolUse(_OpenRequest):
+        type: Literal["tool_use"]
+        id: str
+        name: str
+        input: dict[str, Any]
+
+    class InputToolResult(_OpenRequest):
+        type: Literal["tool_result"]
+        tool_use_id: str
+        content: str | list[InputText] | None = None
+        is_error: bool | None = None
+
+    class InputThinking(_OpenRequest):
+        type: Literal["thinking"]
+        thinking: str
+        signature: str | None = None
+
+    class InputMessage(_Request):
+        role: Literal["user", "assistant"]
+        content: str | Annotated[list[by_type(InputText, InputToolUse, InputToolResult, InputThinking)],
+                                 Field(min_length=1)]
+
+    class AnthropicTool(_OpenRequest):
+        name: SchemaName
+        description: str | None = None
+        input_schema: dict[str, Any] = Field(description="a JSON schema of the input")
+
+    class AnthropicToolChoice(_Request):
+        type: Literal["auto", "any", "tool", "none"]
+        name: SchemaName | None = Field(None, description="with type tool")
+        disable_parallel_tool_use: bool | None = None
+
+    class ThinkingConfig(_Request):
+        type: Literal["enabled", "disabled", "adaptive", "between_tools"] = Field(
+            description="enabled: at most budget_tokens; disabled: none; the others: the model's own")
+        budget_tokens: Annotated[int, Field(ge=0, le=context_length)] | None = Field(
+            None, description="the most tokens of thinking (the engine then ends it)")
+        display: Anything = Field(None, description="accepted, ignored: the thinking is given whole")
+
+    class OutputFormat(_Request):
+        type: Literal["json_schema"]
+        schema_: dict[str, Any] = Field(alias="schema", description="a JSON schema of the answer")
+
+    class OutputConfig(_Request):
+        effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
+            None, description="the template's reasoning_effort (xhigh and max: high)")
+        format: OutputFormat | None = None
+
+    class MessagesRequest(_Request):
+        """POST /v1/messages (Anthropic's Messages API)."""
+        model: ModelName | None = None
+        max_tokens: Annotated[int, Field(ge=1, le=context_length)]
+        messages: Annotated[list[InputMessage], Field(min_length=1, max_length=max_messages)]
+        system: str | list[InputText] | None = None
+        stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+        stream: bool | None = None
+        temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+        top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+        top_k: Annotated[int, Field(ge=-1)] | None = None
+        tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: AnthropicToolChoice | None = None
+        thinking: ThinkingConfig | None = None
+        output_config: OutputConfig | None = None
+        metadata: Anything = Field(None, description="accepted and ignored (as is service_tier)")
+        service_tier: Anything = None
+
+    models = [CompletionRequest, ChatRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest, ResponsesRequest,
+              MessagesRequest]
     return {m.__name__: m for m in models}
 
 
@@ -326,6 +398,11 @@ class ServedModel:
             if too_long is not None:
                 return too_long
         where = _where(deepest)
+        if near[0]["type"] == "string_unicode":        # JSON's \ud800 escapes give such text
+            text = near[0]["input"]
+            at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            return APIError(400, f"{where}: the text is not valid Unicode: a lone surrogate U+{ord(text[at]):04X} "
+                                 f"at character {at}", param=field)
         said = " or ".join(dict.fromkeys(e["msg"][0].lower() + e["msg"][1:] for e in near))
         got = "" if near[0]["type"] in ("missing", "token_id") else f", got {repr(near[0]['input'])[:60]}"
         return APIError(400, f"{where}: {said}{got}", param=field)

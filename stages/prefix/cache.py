@@ -59,7 +59,7 @@ class PrefixCache:
             self.hit_tokens += n * self.block
             seq.prefix_restore = seq.prefix_chain[:n]
             self.index.pin(seq.seq_id, seq.prefix_restore)
-            seq.n_cached = n * self.block
+            seq.n_cached = seq.cached_tokens = n * self.block
 
     def plan(self, batch: StepBatch, plan):
         """Attach the step's prefix work: restore sequences sent for the first time after a hit, store the
@@ -108,7 +108,7 @@ class PrefixCache:
         self.resync = True
         for seq in sequences:
             if seq.prefix_restore is not None:
-                seq.prefix_restore, seq.n_cached = None, 0
+                seq.prefix_restore, seq.n_cached, seq.cached_tokens = None, 0, 0
 
     def load(self) -> dict:
         ix = self.index

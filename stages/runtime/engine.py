@@ -245,7 +245,7 @@ class EngineCore:
         if self.prefill_budget is not None:
             self.prefill_budget.forget_in_flight()
         for seq in self.sequences.values():
-            seq.n_cached = 0
+            seq.n_cached = seq.cached_tokens = 0
             seq.prefix_restore = None
         return list(self.sequences)
 

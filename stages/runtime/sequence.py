@@ -23,6 +23,7 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.n_cached = 0                # tokens whose effect is in every stage's cache
+        self.cached_tokens = 0           # prompt tokens the prefix cache gave it (usage: not computed again)
         self.group: int | None = None    # its micro-batch group once admitted (stages/runtime/engine.py)
         self.cache_need: tuple | None = None   # bytes of cache per stage it was admitted with (CacheBudget)
         self.prefix_chain: list[bytes] | None = None     # its prompt's block names (stages/prefix/cache.py)
@@ -145,7 +146,8 @@ class Sequence:
             "token_ids": self.output_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids)},
+            "usage": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
+                      "cached_tokens": self.cached_tokens},
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
         }

@@ -20,6 +20,8 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, positive_
 
 from serve_util import get_json, running_server, wait_idle
 
+from raymoe.deploy.api_schema import MESSAGE_EVENTS, RESPONSE_EVENTS
+
 pytestmark = pytest.mark.cluster
 
 MODEL = "tiny-qwen35moe"
@@ -80,8 +82,8 @@ def event_stream_conforms(ctx, response, case):
         return None
     assert not response.stream_cut_short, f"the client stopped reading after {MAX_STREAM_EVENTS} events"
     components = case.operation.schema.raw_schema["components"]
-    if case.operation.path == "/v1/responses":
-        return response_events_conform(response, components)
+    if case.operation.path in NAMED_EVENTS:
+        return named_events_conform(response, components, *NAMED_EVENTS[case.operation.path])
     kind = "ChatCompletionChunk" if case.operation.path == "/v1/chat/completions" else "CompletionChunk"
     validators = [jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
                   for name in (kind, "ErrorResponse")]
@@ -96,10 +98,10 @@ def event_stream_conforms(ctx, response, case):
     return True
 
 
-def response_events_conform(response, components) -> bool:
-    from raymoe.deploy.api_schema import RESPONSE_EVENTS
+def named_events_conform(response, components, events: list, last: tuple) -> bool:
+    """Named events (/v1/responses, /v1/messages), each of a documented event type, the last one of `last`."""
     validator = jsonschema.Draft202012Validator(
-        {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in RESPONSE_EVENTS], "components": components})
+        {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in events], "components": components})
     blocks = [block.strip() for block in response.text.split("\n\n") if block.strip()]
     types = []
     for block in blocks:
@@ -110,11 +112,15 @@ def response_events_conform(response, components) -> bool:
         error = next(iter(validator.iter_errors(event)), None)
         assert error is None, f"an event matches no schema ({error.message}): {block[:300]}"
         types.append(event["type"])
-    assert types and types[-1] in ("response.completed", "response.incomplete", "error"), types
+    assert types and types[-1] in last, types
     return True
 
 
-GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+NAMED_EVENTS = {"/v1/responses": (RESPONSE_EVENTS, ("response.completed", "response.incomplete", "error")),
+                "/v1/messages": (MESSAGE_EVENTS, ("message_stop", "error"))}
+
+
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 SHORT = {"max_tokens": 2, "max_completion_tokens": 2, "max_output_tokens": 2, "n": 2}
 
 

@@ -28,7 +28,9 @@ def test_output_contract(tmp_path, capsys):
     assert [r["id"] for r in out] == ["a", 7, 2]
     for r in out:
         assert set(r) == FIELDS | ({"reasoning_content"} if r["id"] == 2 else set())   # a chat line's reasoning
-        assert r["usage"] == {"prompt_tokens": len(r["prompt_token_ids"]), "completion_tokens": len(r["token_ids"])}
+        assert r["usage"] == {"prompt_tokens": len(r["prompt_token_ids"]), "completion_tokens": len(r["token_ids"]),
+                              "cached_tokens": r["usage"]["cached_tokens"]}
+        assert 0 <= r["usage"]["cached_tokens"] < len(r["prompt_token_ids"])
         assert r["finish_reason"] in ("stop", "length")
     a = out[0]
     assert len(a["token_ids"]) == 5 and a["finish_reason"] == "length"

@@ -442,3 +442,15 @@ def test_metrics(client, server):
     for gauge in ("raymoe_queue_length", "raymoe_cache_slots_used", "raymoe_requests_in_flight"):
         assert m[gauge + label] == 0
     assert "# TYPE raymoe_time_to_first_token_seconds histogram" in text
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_gave(client):
+    """prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it: 0 for a new prompt, whole 256-token
+    blocks for one that starts like it (its last token always runs)."""
+    history = [{"role": "user", "content": "remember these words: " + "alpha beta gamma delta " * 120}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=MODEL, messages=history + [
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and now?"}], max_tokens=2, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached % 256 == 0 and cached < again.usage.prompt_tokens, again.usage

@@ -7,6 +7,7 @@ tests/deploy/test_serve_tools.py does): a random model never calls a tool by its
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -233,3 +234,48 @@ def test_responses_refusals(servers):
             c.responses.create(model=MODELS["gptoss"], input="Hi", **kw)
         assert e.value.body["param"] == param, e.value.body
         assert param != "tools" or "'web_search' tools are not supported" in e.value.body["message"]
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Gets the weather",
+                    "input_schema": RESPONSE_TOOLS[0]["parameters"]}]
+
+
+def blocks(message) -> list:
+    """(type, text or (name, input)) of each content block."""
+    return [(b.type, b.thinking) if b.type == "thinking" else (b.type, b.text) if b.type == "text"
+            else (b.type, b.name, b.input) for b in message.content]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_messages_thinking_tool_use_and_answer(servers, name):
+    """/v1/messages with Anthropic's own client: a tool_use after thinking, whole and streamed; the tool_result
+    sent back; the answer; a stop sequence; errors in Anthropic's shape."""
+    c = anthropic.Anthropic(base_url=servers[name], api_key="none", max_retries=0, timeout=600)
+    kw = dict(model=MODELS[name], max_tokens=200, system="Be brief.", tools=ANTHROPIC_TOOLS,
+              extra_body={"temperature": 0}, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    whole = c.messages.create(**kw)
+    want = [("thinking", REASONING[name]), ("tool_use", "get_weather", {"city": "Paris", "days": 2})]
+    assert whole.stop_reason == "tool_use" and blocks(whole) == want and whole.usage.output_tokens > 0
+    with c.messages.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == want and streamed.stop_reason == "tool_use"
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and {"content_block_start",
+                                                                            "content_block_stop"} <= set(kinds)
+    history = kw["messages"] + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in whole.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": whole.content[-1].id,
+                                      "content": '{"sky": "sunny"}'}]}]
+    after = c.messages.create(**{**kw, "messages": history})
+    assert after.stop_reason == "end_turn" and blocks(after)[-1] == ("text", ANSWER[name])
+    with c.messages.stream(**{**kw, "messages": history}) as stream:
+        assert "".join(stream.text_stream) == ANSWER[name]
+    stopped = c.messages.create(model=MODELS[name], max_tokens=60, messages=[{"role": "user", "content": "Hi"}],
+                                stop_sequences=[" "], thinking={"type": "disabled"})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", " "), stopped
+    assert all(b.type != "thinking" for b in stopped.content)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=MODELS[name], max_tokens=0, messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        c.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
