@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic.json_schema import models_json_schema
 
-from raymoe.deploy.protocol import Closed, ServedModel
+from raymoe.deploy.protocol import Closed, ServedModel, request_models
 
 REF = "#/components/schemas/{model}"
 SECURITY_SCHEME = "bearerAuth"
@@ -206,6 +206,8 @@ class Health(Closed):
     restarts: int
     prefill_tokens: int
     prefix_cache: PrefixCacheLoad
+    models: dict[str, Any] = Field(None, description="with several models: each one's load (the fields above "
+                                                     "are the first's)")
 
 
 # ---- /v1/responses (deploy/responses_api.py) ----
@@ -483,12 +485,22 @@ ERRORS = {400: "a request that the server refuses (the error names the field)", 
 HEALTH_503 = "the engine cannot serve (it gave up, or it is stalled), or the server is shutting down"
 
 
-def openapi_document(app, served: ServedModel, *, api_key: bool, version: str = "0.1.0") -> dict:
-    """The document of `app` (deploy.http_app.api) for one served model (api_key: whether it needs a key)."""
+def document_requests(served: list[ServedModel]) -> dict:
+    """The request models a document gives: the served model's, or with several, ones that name them all, with
+    the largest limits of any (each model's own still apply to its requests)."""
+    if len(served) == 1:
+        return served[0].requests
+    return request_models(tuple(s.name for s in served), max(s.vocab for s in served),
+                          max(s.context_length for s in served), served[0].max_messages,
+                          max_text_chars=max(s.context_length * s.tokenizer.max_token_bytes for s in served))
+
+
+def openapi_document(app, served: list[ServedModel], *, api_key: bool, version: str = "0.1.0") -> dict:
+    """The document of `app` (deploy.http_app.api) for its served models (api_key: whether it needs a key)."""
     from fastapi.openapi.utils import get_openapi
     doc = get_openapi(title=app.title, version=version, routes=app.routes,
                       description="raymoe's OpenAI-compatible API (README, docs/chat.md)")
-    models = [*served.requests.values(), *RESPONSES]
+    models = [*document_requests(served).values(), *RESPONSES]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     components = doc.setdefault("components", {})
     components["schemas"] = {**components.get("schemas", {}), **defs["$defs"]}

@@ -117,8 +117,19 @@ def _fields(message: pb.GenerateStreamResponse, pieces: list[tuple]):
 
 
 class RaymoeServicer:
-    def __init__(self, serving):
-        self.serving = serving
+    def __init__(self, servings: dict):
+        """servings: the served models by name (the first: requests that name none)."""
+        self.servings = servings
+        self.serving = next(iter(servings.values()))
+
+    def _serving_of(self, request):
+        if len(self.servings) == 1 or not request.model:
+            return self.serving         # with one model, engine_request refuses another name
+        s = self.servings.get(request.model)
+        if s is None:
+            raise APIError(404, f"unknown model {request.model!r}; this server serves "
+                                f"{', '.join(map(repr, self.servings))}", param="model", code="model_not_found")
+        return s
 
     async def _authenticate(self, grpc_context):
         if not self.serving.authorized(dict(grpc_context.invocation_metadata()).get("authorization")):
@@ -127,31 +138,31 @@ class RaymoeServicer:
 
     async def _start(self, request):
         arrived = perf_counter()
-        s = self.serving
+        s = self._serving_of(request)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         line = await asyncio.to_thread(engine_request, request, s)     # tokenizing: off the event loop
         # a chat's reasoning goes apart from its answer, as in the HTTP API and the batch job
         parser = output_parser(s.tokenizer, line["prompt_token_ids"]) if request.HasField("messages") else None
-        return rid, line, parser, await s.start(rid, line, arrived)
+        return s, rid, line, parser, await s.start(rid, line, arrived)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         await self._authenticate(grpc_context)
-        generation = None
+        generation, s = None, self.serving
         try:
-            rid, _, parser, generation = await self._start(request)
+            s, rid, _, parser, generation = await self._start(request)
             result = await generation.result()
             if "error" in result:
                 raise APIError(500, f"generation failed: {result['error']}")
-            self.serving.metrics.answered("grpc_generate", 200)
+            s.metrics.answered("grpc_generate", 200)
             fields = (split_answer(parser, result["token_ids"], result["text"]) if parser is not None
                       else {CONTENT: result["text"], REASONING: None})
             return pb.GenerateResponse(
-                id=rid, model=self.serving.model_name, prompt_token_ids=result["prompt_token_ids"],
+                id=rid, model=s.model_name, prompt_token_ids=result["prompt_token_ids"],
                 token_ids=result["token_ids"], text=fields[CONTENT], finish_reason=result["finish_reason"],
                 usage=usage_pb(result["usage"]), logprobs=logprobs_pb(result["logprobs"]),
                 reasoning_content=fields[REASONING])
         except APIError as e:
-            self.serving.metrics.answered("grpc_generate", e.status)
+            s.metrics.answered("grpc_generate", e.status)
             await _abort(grpc_context, e)
         finally:
             if generation is not None:
@@ -159,10 +170,10 @@ class RaymoeServicer:
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context):
         await self._authenticate(grpc_context)
-        generation = None
+        generation, s = None, self.serving
         try:
-            rid, line, parser, generation = await self._start(request)
-            self.serving.metrics.answered("grpc_generate_stream", 200)
+            s, rid, line, parser, generation = await self._start(request)
+            s.metrics.answered("grpc_generate_stream", 200)
             deltas = TextDeltas(list(request.stop))
             split = SplitText(parser, list(request.stop)) if parser is not None else None
             first = True
@@ -188,7 +199,7 @@ class RaymoeServicer:
                     first = False
                 yield message
         except APIError as e:
-            self.serving.metrics.answered("grpc_generate_stream", e.status)
+            s.metrics.answered("grpc_generate_stream", e.status)
             await _abort(grpc_context, e)
         finally:
             if generation is not None:
@@ -196,13 +207,13 @@ class RaymoeServicer:
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:
         await self._authenticate(grpc_context)
-        s = self.serving
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.model_name, context_length=s.context_length,
-                                                          pipeline_stages=s.engine.pp)])
+                                                          pipeline_stages=s.engine.pp) for s in self.servings.values()])
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:
         try:
-            await self.serving.load()
+            for s in self.servings.values():
+                await s.load()
         except Exception as e:
             return pb.HealthResponse(healthy=False, status=f"{type(e).__name__}: {e}")
         return pb.HealthResponse(healthy=True, status="ok")

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raymoe.deploy.api_schema import openapi_document
 from raymoe.deploy.grpc_service import RaymoeServicer
+from raymoe.deploy.metrics import metric_families
 from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                       models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       sse, usage_chunk)
@@ -205,18 +206,28 @@ async def _internal_error(request, e: Exception):
                   graceful_shutdown_wait_loop_s=0.25, max_constructor_retry_count=1)
 @serve.ingress(api)
 class RaymoeServer:
-    """The ingress: one replica per pipeline (the pipeline's actors are its children). It also runs
-    the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
+    """The ingress: one replica per pipeline, or per set of pipelines, one for each model it serves (the
+    pipelines' actors are its children). A request goes to the model its `model` names (the first when it names
+    none). It also runs the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every
+    interface)."""
 
     async def __init__(self, args: dict | ServeArgs):
         self._stopping: asyncio.Future | None = None
         self._openapi: dict | None = None
         args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
-        self.serving = Serving(args)
+        families = metric_families()
+        self.servings: dict[str, Serving] = {}
+        try:
+            for model_args in args.per_model():
+                self.servings[model_args.name] = Serving(model_args, families)
+        except BaseException:
+            await asyncio.gather(*(s.stop() for s in self.servings.values()), return_exceptions=True)
+            raise
+        self.serving = next(iter(self.servings.values()))       # the first: requests that name no model
         self.grpc_server = None
         if args.grpc_port:
             self.grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_body_bytes)])
-            add_RaymoeServicer_to_server(RaymoeServicer(self.serving), self.grpc_server)
+            add_RaymoeServicer_to_server(RaymoeServicer(self.servings), self.grpc_server)
             address = f"{_url_host(args.host)}:{args.grpc_port}"
             try:
                 self.grpc_server.add_insecure_port(address)
@@ -229,8 +240,8 @@ class RaymoeServer:
     async def openapi(self):
         """This server's OpenAPI document (deploy/api_schema.py): open, as /health is."""
         if self._openapi is None:
-            s = self.serving
-            self._openapi = openapi_document(api, s.served, api_key=s.api_key is not None)
+            self._openapi = openapi_document(api, [s.served for s in self.servings.values()],
+                                             api_key=self.serving.api_key is not None)
         return JSONResponse(self._openapi)
 
     @api.get("/v1/models")
@@ -240,7 +251,7 @@ class RaymoeServer:
             s.metrics.answered("models", 401)
             return error_response(unauthorized())
         s.metrics.answered("models", 200)
-        return models_response(s.model_name, s.context_length, s.created)
+        return models_response([(m.model_name, m.context_length, m.created) for m in self.servings.values()])
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -270,13 +281,33 @@ class RaymoeServer:
         """vLLM's /detokenize: token ids back to text."""
         return await self._tokenizer_call("detokenize", request, parse_detokenize)
 
+    def _serving_of(self, body) -> Serving:
+        """The served model that a body names: the first when it names none. With one model, its request models
+        refuse another name (404); with several, an unknown one gets OpenAI's 404 here."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if len(self.servings) == 1 or not model or not isinstance(model, str):
+            return self.serving
+        s = self.servings.get(model)
+        if s is None:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(f'`{name}`' for name in self.servings)} (see GET /v1/models)",
+                           param="model", code="model_not_found")
+        return s
+
+    def _prepare(self, raw: bytes, parse):
+        """(the served model, the parsed body) of one HTTP body (in a worker thread: tokenizing releases the
+        GIL, and the limits bound the rest)."""
+        body = self.serving.read_json(raw)
+        s = self._serving_of(body)
+        return s, parse(body, s.served)
+
     async def _tokenizer_call(self, endpoint: str, request: Request, parse):
         s = self.serving
         try:
             if not s.authorized(request.headers.get("authorization")):
                 raise unauthorized()
             raw = await read_body(request, s.args.max_body_bytes)
-            body = await asyncio.to_thread(s.prepare, raw, parse)     # tokenizing releases the GIL
+            s, body = await asyncio.to_thread(self._prepare, raw, parse)
         except APIError as e:
             s.metrics.answered(endpoint, e.status)
             return error_response(e)
@@ -287,12 +318,17 @@ class RaymoeServer:
     async def health(self):
         if self.serving.stopping:
             return error_response(shutting_down())
+        loads = {}
         try:
-            await self.serving.engine.check_health_async()
-            load = await self.serving.load()
+            for name, s in self.servings.items():       # healthy when every model's pipeline is
+                await s.engine.check_health_async()
+                loads[name] = await s.load()
         except Exception as e:
             return error_response(APIError(503, f"unhealthy: {type(e).__name__}: {e}", code="unhealthy"))
-        return {"status": "ok", "model": self.serving.model_name, **load}
+        body = {"status": "ok", "model": self.serving.model_name, **loads[self.serving.model_name]}
+        if len(loads) > 1:
+            body["models"] = loads
+        return body
 
     async def pipeline_info(self) -> dict:
         """For deploy.serve's first line (not a route): what the replica's pipeline moves activations over, and
@@ -302,10 +338,11 @@ class RaymoeServer:
 
     @api.get("/metrics")
     async def metrics(self):
-        try:
-            await self.serving.load(timeout=5)
-        except Exception:
-            pass                   # the gauges keep their last values
+        for s in self.servings.values():
+            try:
+                await s.load(timeout=5)
+            except Exception:
+                pass               # the gauges keep their last values
         return Response(self.serving.metrics.render(), media_type=self.serving.metrics.content_type)
 
     async def _generate(self, endpoint: str, request: Request, parse, errors=error_response):
@@ -315,7 +352,7 @@ class RaymoeServer:
             if not s.authorized(authorization(request)):
                 raise unauthorized()
             raw = await read_body(request, s.args.max_body_bytes)
-            p = await asyncio.to_thread(s.prepare, raw, parse)      # /health answers meanwhile
+            s, p = await asyncio.to_thread(self._prepare, raw, parse)      # /health answers meanwhile
             generations = []
             try:
                 for request in p.choice_requests():       # one sequence per choice (n)
@@ -333,9 +370,9 @@ class RaymoeServer:
                 if p.kind == "response":
                     events = self._response_events(p, generations[0])
                 elif p.kind == "message":
-                    events = self._message_events(p, generations[0])
+                    events = self._message_events(p, generations[0], s)
                 else:
-                    events = self._events(p, generations, prompt_text)
+                    events = self._events(p, generations, prompt_text, s)
                 response = GenerationStream(events, generations)
                 s.metrics.answered(endpoint, 200)
                 return response
@@ -358,8 +395,8 @@ class RaymoeServer:
                 for generation in generations:
                     generation.abort()     # the client went away (this task was cancelled) or it failed
 
-    async def _events(self, p, generations: list[Generation], prompt_text: str):
-        formatters = [StreamFormatter(p, self.serving.token_text, prompt_text, i) for i in range(len(generations))]
+    async def _events(self, p, generations: list[Generation], prompt_text: str, s: Serving):
+        formatters = [StreamFormatter(p, s.token_text, prompt_text, i) for i in range(len(generations))]
         try:
             for formatter in formatters:
                 for chunk in formatter.start():
@@ -399,9 +436,9 @@ class RaymoeServer:
             yield response_sse(error_event(APIError(500, f"generation failed: {type(e).__name__}: {e}"),
                                            items.sequence))
 
-    async def _message_events(self, p, generation: Generation):
+    async def _message_events(self, p, generation: Generation, s: Serving):
         """A Messages stream: Anthropic's events, named, from message_start to message_stop (or an error event)."""
-        blocks = MessageBlocks(p, self.serving.tokenizer)
+        blocks = MessageBlocks(p, s.tokenizer)
         try:
             for event in blocks.start():
                 yield message_sse(event)
@@ -419,7 +456,8 @@ class RaymoeServer:
 
     # ---- Serve hooks -------------------------------------------------------------------------------
     async def check_health(self):
-        await self.serving.load(timeout=30)    # raises when the coordinator is gone or gave up
+        for s in self.servings.values():
+            await s.load(timeout=30)    # raises when a coordinator is gone or gave up
 
     async def stop(self):
         """Stop serving, once (later calls wait for the first): gRPC stops taking calls, new HTTP requests
@@ -434,8 +472,7 @@ class RaymoeServer:
         stopping = []
         if self.grpc_server is not None:     # refuses new calls at once; cancels what is left after the grace
             stopping.append(asyncio.ensure_future(self.grpc_server.stop(grace=STOP_GRACE_S)))
-        await self.serving.stop()
-        await asyncio.gather(*stopping)
+        await asyncio.gather(*(s.stop() for s in self.servings.values()), *stopping)
 
     async def __del__(self):
         """Serve's ingress wrapper awaits this as Serve stops the replica, once its requests have ended
@@ -449,7 +486,9 @@ def app_builder(args: ServeArgs):
     if isinstance(args, dict):
         args = ServeArgs(**args)
     # a template file is read here (the driver), where its path means what the user meant
-    args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template))
+    models = [{**m, "chat_template": load_chat_template(m["chat_template"])} if m.get("chat_template") else m
+              for m in args.models or ()] or None
+    args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template), models=models)
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
     return RaymoeServer.options(num_replicas=args.replicas).bind(dataclasses.asdict(args))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the serving app (GET /metrics), in a registry of its own.
+"""Prometheus metrics of the serving app (GET /metrics), in a registry of its own, labelled by model.
 
 Latencies are measured where the tokens reach the server (the ingress replica): time to first
 token from the request's arrival, inter-token latency between consecutive tokens of a request.
@@ -17,49 +17,55 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120, 300)
 
 
+# the families, each labelled by model (several models share one registry: deploy/http_app.py)
+FAMILIES = [
+    (Counter, "raymoe_prompt_tokens", "Prompt tokens processed", {}),
+    (Counter, "raymoe_generation_tokens", "Tokens generated", {}),
+    (Histogram, "raymoe_time_to_first_token_seconds", "From a request's arrival to its first token",
+     {"buckets": TTFT_BUCKETS}),
+    (Histogram, "raymoe_inter_token_latency_seconds", "Between consecutive tokens of a request",
+     {"buckets": ITL_BUCKETS}),
+    (Histogram, "raymoe_request_latency_seconds", "From a request's arrival to its last token",
+     {"buckets": LATENCY_BUCKETS}),
+    (Gauge, "raymoe_requests_in_flight", "Generations being served now", {}),
+    (Gauge, "raymoe_queue_length", "Sequences waiting because every cache slot of their micro-batch group is taken",
+     {}),
+    (Gauge, "raymoe_queue_limit", "Bounded queue size; beyond it requests get 503 (-1: unbounded)", {}),
+    (Gauge, "raymoe_sequences_waiting", "Sequences submitted and not yet scheduled", {}),
+    (Gauge, "raymoe_cache_slots_used", "Sequences holding cache slots (running)", {}),
+    (Gauge, "raymoe_cache_slots_total", "Sequences that can hold cache slots at once", {}),
+    (Gauge, "raymoe_prefix_cache_bytes", "Bytes the prefix cache holds over all stages", {}),
+    (Gauge, "raymoe_prefix_cache_budget_bytes", "The prefix cache's size over all stages (0: off)", {}),
+    (Gauge, "raymoe_prefix_cache_hit_rate", "Share of looked-up prompt tokens a prefix cache hit skipped, since the "
+     "server started", {}),
+    (Gauge, "raymoe_prefix_cache_hit_tokens", "Prompt tokens skipped by prefix cache hits, since the server started",
+     {}),
+    (Gauge, "raymoe_prefill_tokens", "Prompt tokens run through the model, since the server started", {}),
+]
+
+
+def metric_families() -> dict:
+    """The metric families in a registry of their own ("registry"), for one model or several that share them."""
+    registry = CollectorRegistry()
+    families = {name: kind(name, doc, ["model"], registry=registry, **kw) for kind, name, doc, kw in FAMILIES}
+    families["requests"] = Counter("raymoe_requests", "API requests answered, by endpoint and status code",
+                                   ["model", "endpoint", "status"], registry=registry)
+    families["finished"] = Counter("raymoe_requests_finished", "Generations ended, by finish reason (abort: the "
+                                   "client went away or cancelled)", ["model", "finish_reason"], registry=registry)
+    return {**families, "registry": registry}
+
+
 class ServerMetrics:
+    """One served model's metrics, in families of its own unless given some that other models share."""
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model: str):
-        r = self.registry = CollectorRegistry()
-        labels = {"model": model}
-        self.requests = Counter("raymoe_requests", "API requests answered, by endpoint and status code",
-                                ["model", "endpoint", "status"], registry=r)
-        self.finished = Counter("raymoe_requests_finished", "Generations ended, by finish reason "
-                                "(abort: the client went away or cancelled)", ["model", "finish_reason"], registry=r)
-        self.prompt_tokens = Counter("raymoe_prompt_tokens", "Prompt tokens processed", ["model"],
-                                     registry=r).labels(**labels)
-        self.generation_tokens = Counter("raymoe_generation_tokens", "Tokens generated", ["model"],
-                                         registry=r).labels(**labels)
-        self.ttft = Histogram("raymoe_time_to_first_token_seconds", "From a request's arrival to its first token",
-                              ["model"], buckets=TTFT_BUCKETS, registry=r).labels(**labels)
-        self.itl = Histogram("raymoe_inter_token_latency_seconds", "Between consecutive tokens of a request",
-                             ["model"], buckets=ITL_BUCKETS, registry=r).labels(**labels)
-        self.latency = Histogram("raymoe_request_latency_seconds", "From a request's arrival to its last token",
-                                 ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.in_flight = Gauge("raymoe_requests_in_flight", "Generations being served now", ["model"],
-                               registry=r).labels(**labels)
-        self.queue_length = Gauge("raymoe_queue_length", "Sequences waiting because every cache slot of their "
-                                  "micro-batch group is taken", ["model"], registry=r).labels(**labels)
-        self.queue_limit = Gauge("raymoe_queue_limit", "Bounded queue size; beyond it requests get 503 "
-                                 "(-1: unbounded)", ["model"], registry=r).labels(**labels)
-        self.waiting = Gauge("raymoe_sequences_waiting", "Sequences submitted and not yet scheduled", ["model"],
-                             registry=r).labels(**labels)
-        self.slots_used = Gauge("raymoe_cache_slots_used", "Sequences holding cache slots (running)", ["model"],
-                                registry=r).labels(**labels)
-        self.slots_total = Gauge("raymoe_cache_slots_total", "Sequences that can hold cache slots at once",
-                                 ["model"], registry=r).labels(**labels)
-        self.prefix_bytes = Gauge("raymoe_prefix_cache_bytes", "Bytes the prefix cache holds over all stages",
-                                  ["model"], registry=r).labels(**labels)
-        self.prefix_budget = Gauge("raymoe_prefix_cache_budget_bytes", "The prefix cache's size over all stages "
-                                   "(0: off)", ["model"], registry=r).labels(**labels)
-        self.prefix_hit_rate = Gauge("raymoe_prefix_cache_hit_rate", "Share of looked-up prompt tokens a prefix "
-                                     "cache hit skipped, since the server started", ["model"],
-                                     registry=r).labels(**labels)
-        self.prefix_hit_tokens = Gauge("raymoe_prefix_cache_hit_tokens", "Prompt tokens skipped by prefix cache "
-                                       "hits, since the server started", ["model"], registry=r).labels(**labels)
-        self.prefill_tokens = Gauge("raymoe_prefill_tokens", "Prompt tokens run through the model, since the "
-                                    "server started", ["model"], registry=r).labels(**labels)
+    def __init__(self, model: str, families: dict | None = None):
+        f = families or metric_families()
+        self.registry, self.requests, self.finished = f["registry"], f["requests"], f["finished"]
+        (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.latency, self.in_flight,
+         self.queue_length, self.queue_limit, self.waiting, self.slots_used, self.slots_total, self.prefix_bytes,
+         self.prefix_budget, self.prefix_hit_rate, self.prefix_hit_tokens, self.prefill_tokens) = (
+            f[name].labels(model=model) for _, name, _, _ in FAMILIES)
         self.model = model
 
     def answered(self, endpoint: str, status: int):

@@ -591,6 +591,7 @@ def usage_chunk(p: Prepared, results: list[dict]) -> dict:
             "usage": total_usage(results)}
 
 
-def models_response(served_model: str, context_length: int, created: int) -> dict:
-    return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
-                                        "owned_by": "raymoe", "max_model_len": context_length}]}
+def models_response(models: list[tuple[str, int, int]]) -> dict:
+    """GET /v1/models of (name, context length, created) per served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "raymoe",
+                                        "max_model_len": context_length} for name, context_length, created in models]}

@@ -77,13 +77,15 @@ def in_vocabulary(vocab: int):
     return check
 
 
-def request_models(model_name: str, vocab: int, context_length: int, max_messages: int, *,
+def request_models(model_name: str | tuple[str, ...], vocab: int, context_length: int, max_messages: int, *,
                    max_text_chars: int, min_text_chars: int = 0) -> dict[str, type[BaseModel]]:
-    """The request bodies' models, by name, for a server of `model_name` (its vocabulary and context) and
+    """The request bodies' models, by name, for a server of `model_name` (or several: the document of a
+    server of several models, with the largest vocabulary and context) and
     --max-messages; prompt text of fewer than min_text_chars characters has no tokens, text longer than
     max_text_chars cannot fit the context whatever its tokens."""
     TokenId = Annotated[int, Field(ge=0, le=vocab - 1), BeforeValidator(in_vocabulary(vocab))]
-    ModelName = Literal[model_name, ""]          # "": the served model too
+    names = (model_name,) if isinstance(model_name, str) else model_name
+    ModelName = Literal[(*names, "")]            # "": the (first) served model too
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=context_length - 1)]
     StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
     Anything = Any

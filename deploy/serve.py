@@ -50,7 +50,10 @@ __all__ = ["app_builder", "ServeArgs", "main"]    # app_builder: `serve run raym
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m raymoe.deploy.serve", description=__doc__.split("\n\n")[0])
-    add_engine_flags(p, ["model"])
+    p.add_argument("--model", action="append", required=True,
+                   help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss; repeated, one app serves "
+                        "each (a pipeline each, the flags below for all), and a request's `model` picks one (none: "
+                        "the first)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
                          "max_model_len", "prefix_cache_gb", "max_queued", "itl_target_ms", "chat_template",
@@ -73,7 +76,9 @@ def parse_args(argv=None):
                    help="ingress replicas, each with a pipeline of its own; Serve's proxy spreads requests over them, "
                         "and should one die, only its requests in flight fail (docs/faults.md)")
     p.add_argument("--app-name", default=APP_NAME, help="the Serve application's name")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model, args.more_models = args.model[0], args.model[1:]      # --model repeated: more models
+    return args
 
 
 def _deploy_failure(app_name: str) -> str:
@@ -118,15 +123,20 @@ def shutdown_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    serve_args = ServeArgs.from_flags(args)
+    several = [{"model": m} for m in (args.model, *args.more_models)] if args.more_models else None
+    serve_args = ServeArgs.from_flags(args, models=several)
     if not serve_args.api_key and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     try:                          # fail fast, before starting anything, on a bad setting or model
         from raymoe.stages.text.chat import load_chat_template
         from raymoe.stages.files.loader import open_model
-        serve_args.validate()
-        open_model(args.model).check_tensors()
+        if several and args.served_model_name:
+            raise RaymoeError("--served-model-name names one model: with several, each is served as its --model "
+                              "(a Serve config's models list can name each)")
+        for model_args in serve_args.per_model():
+            model_args.validate()
+            open_model(model_args.model).check_tensors()
         # read here, where the path means what the user meant; the replica gets the template's text
         serve_args = dataclasses.replace(serve_args, chat_template=load_chat_template(serve_args.chat_template))
     except RaymoeError as e:
@@ -148,7 +158,7 @@ def main(argv=None) -> int:
         # the local cluster's HTTP proxy answers for a replica that dies with a 503 (deploy/replica_errors.py)
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
     # interruptible from here on (Ray's own startup installs no handlers after this point)
-    connect_ray(args.pp * (1 + args.ep) * max(1, args.replicas))
+    connect_ray(sum(a.pp * (1 + a.ep) for a in serve_args.per_model()) * max(1, args.replicas))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False
@@ -165,7 +175,8 @@ def main(argv=None) -> int:
         if info["warning"]:
             print(f"warning: {info['warning']}", file=sys.stderr)
         transport = f", transport={info['transport']}" if args.pp > 1 else ""
-        print(f"serving {serve_args.name} (pp={args.pp}{transport}) on http://{host}:{args.port}{grpc_text} ({auth}); "
+        names = ", ".join(a.name for a in serve_args.per_model())
+        print(f"serving {names} (pp={args.pp}{transport}) on http://{host}:{args.port}{grpc_text} ({auth}); "
               f"Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)

@@ -3,6 +3,7 @@ share: the application's arguments, the engine, tokenizer and metrics, parsing a
 its limits, and one submitted generation's life cycle (updates, result, abort).
 """
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -41,6 +42,9 @@ class ServeArgs(EngineArgs):
     max_messages: int = MAX_MESSAGES          # messages per chat request
     replicas: int = 1                         # ingress replicas, each with a pipeline of its own (docs/faults.md)
     reasoning_budget: int = -1                # a chat's most tokens of reasoning (-1: none), unless it sets its own
+    # several models in one app: per model, the fields it sets apart from these (model first, then pp,
+    # served_model_name, ...); requests go to the one their `model` names, the first when they name none
+    models: list[dict] | None = None
 
     @field_validator("reasoning_budget")
     @classmethod
@@ -59,6 +63,32 @@ class ServeArgs(EngineArgs):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def per_model(self) -> list["ServeArgs"]:
+        """The arguments of each served model: these, with a model's own fields over them. RaymoeError for
+        two models served under one name, or a field a model may not set apart (the server's own)."""
+        if not self.models:
+            return [self]
+        out = []
+        for i, entry in enumerate(self.models):
+            shared = [k for k in entry if k in APP_FIELDS]
+            if shared:
+                raise RaymoeError(f"models[{i}]: {shared[0]} is the server's, not a model's: set it once, outside "
+                                  f"models")
+            try:
+                out.append(dataclasses.replace(self, **entry, models=None))
+            except pydantic.ValidationError as e:
+                error = e.errors()[0]
+                raise RaymoeError(f"models[{i}].{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+        names = [a.name for a in out]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise RaymoeError(f"models: two models are served as {twice!r}: give one a served_model_name")
+        return out
+
+
+# the server's own fields, which a model of several may not set apart
+APP_FIELDS = frozenset(("host", "grpc_port", "api_key", "max_body_bytes", "max_json_depth", "replicas", "models"))
 
 
 def shutting_down() -> APIError:
@@ -133,7 +163,9 @@ class Generation:
 class Serving:
     """What the HTTP routes and the gRPC methods share: the engine, tokenizer and metrics."""
 
-    def __init__(self, args: ServeArgs):
+    def __init__(self, args: ServeArgs, metric_families: dict | None = None):
+        """metric_families: the registry's families this model's metrics go to (deploy/metrics.py), shared by
+        the models of one server."""
         from raymoe.cluster.engine import ClusterEngine
         self.args = args
         self.engine = ClusterEngine(args.engine_args())
@@ -141,7 +173,7 @@ class Serving:
         self.model_name = args.name
         self.context_length, self.vocab = self.config.context_length, self.config.vocab
         self.token_text = TokenText(self.tokenizer)
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, metric_families)
         self.served = ServedModel(self.model_name, self.tokenizer, self.context_length, self.vocab, args.max_messages,
                                   None if args.reasoning_budget == -1 else args.reasoning_budget)
         self.created = int(time.time())
@@ -158,9 +190,9 @@ class Serving:
         scheme, _, key = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key)
 
-    def prepare(self, raw: bytes, parse):
-        """Parse and validate one HTTP body (in a worker thread: tokenizing releases the GIL, and the
-        limits bound the rest)."""
+    def read_json(self, raw: bytes):
+        """One HTTP body's JSON, within the JSON limits (in a worker thread, as the parse that follows:
+        tokenizing releases the GIL, and the limits bound the rest)."""
         args = self.args
         try:
             body = _loads(raw or b"null")
@@ -172,7 +204,7 @@ class Serving:
         if _depth(body) > args.max_json_depth:
             raise APIError(400, f"the request body nests deeper than --max-json-depth ({args.max_json_depth})",
                            code="json_too_deep")
-        return parse(body, self.served)
+        return body
 
     async def start(self, request_id: str, engine_request: dict, arrived: float) -> Generation:
         """Submit; errors come back as APIError (400 bad request, 503 queue full or pipeline down)."""

@@ -52,7 +52,7 @@ def document() -> dict:
     from raymoe.stages.files.loader import open_model
     files = open_model(MODEL, CONTEXT)
     served = ServedModel(MODEL, files.tokenizer, files.config.context_length, files.config.vocab)
-    return openapi_document(api, served, api_key=True)
+    return openapi_document(api, [served], api_key=True)
 
 
 DOCUMENT = document()
