@@ -255,10 +255,15 @@ class FunctionCallItem(Closed):
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
+class InputTokensDetails(Closed):
+    cached_tokens: int = Field(description="the prompt's tokens that the prefix cache gave")
+
+
 class ResponseUsage(Closed):
     input_tokens: int
     output_tokens: int
     total_tokens: int
+    input_tokens_details: InputTokensDetails
 
 
 class IncompleteDetails(Closed):

@@ -183,7 +183,8 @@ class ResponseItems:
                **self.p.response_fields, "usage": None}
         if result is not None:
             prompt, output = result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
-            out["usage"] = {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output}
+            out["usage"] = {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+                            "input_tokens_details": {"cached_tokens": result["usage"].get("cached_tokens", 0)}}
         return out
 
     def start(self) -> list[dict]:

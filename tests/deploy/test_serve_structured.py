@@ -14,7 +14,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from chat_templates import GPTOSS, QWEN35
-from serve_util import serve_apps
+from serve_util import get_json, get_text, serve_apps
+from raymoe.deploy.metrics import parse_metrics
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.text.answers import split_chat_result
 from tool_scripts import HARMONY_AFTER, HARMONY_CALL, QWEN_AFTER, QWEN_CALL
@@ -83,14 +84,14 @@ SCRIPTS = {"qwen": {"<tool_response>": QWEN_AFTER, "weather in Paris": QWEN_CALL
 
 @pytest.fixture(scope="module")
 def servers():
-    apps = {}
+    """Both models in one app (a pipeline each: docs/models-in-one-app.md), requests naming theirs."""
+    models = []
     for name, template in (("qwen", QWEN35), ("gptoss", GPTOSS)):
         tok = open_model(MODELS[name]).tokenizer
         scripts = {key: tok.encode(text) for key, text in SCRIPTS[name].items()}
-        apps[f"/{name}"] = {"model": MODELS[name], "max_running": 16, "grpc_port": 0, "chat_template": template,
-                            "scripted_outputs": scripts}
-    with serve_apps(apps) as base:
-        yield {name: f"{base}/{name}" for name in MODELS}
+        models.append({"model": MODELS[name], "chat_template": template, "scripted_outputs": scripts})
+    with serve_apps({"/": {"models": models, "max_running": 16, "grpc_port": 0}}) as base:
+        yield {name: base for name in MODELS}
 
 
 def client(servers, name):
@@ -279,3 +280,37 @@ def test_messages_thinking_tool_use_and_answer(servers, name):
     assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         c.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_two_models_in_one_app_answer_as_alone_under_mixed_load(servers):
+    """The app above serves both models: /v1/models lists them, a request goes to the one it names (none: the
+    first, unknown: 404 naming them), each one's seeded tokens are the same alone and under mixed load, and
+    /health and /metrics cover both."""
+    server = servers["qwen"]
+    c = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+    names = tuple(MODELS.values())
+    assert [m.id for m in c.models.list().data] == list(names)
+
+    def tokens(key) -> list[int]:
+        model, seed = key
+        r = c.completions.create(model=model, prompt=f"The {seed} rivers of", max_tokens=10, temperature=1.0,
+                                 seed=seed, extra_body={"return_token_ids": True})
+        assert r.model == model
+        return r.choices[0].model_extra["token_ids"]
+
+    keys = [(model, seed) for model in names for seed in range(3)]
+    alone = {key: tokens(key) for key in keys}
+    with ThreadPoolExecutor(len(keys)) as pool:
+        mixed = dict(zip(keys, pool.map(tokens, keys)))
+    assert mixed == alone
+    assert all(alone[(names[0], s)] != alone[(names[1], s)] for s in range(3))    # two models, not one
+    first = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert first.model == names[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and all(m in e.value.body["message"] for m in names)
+    status, health = get_json(server + "/health")
+    assert status == 200 and set(health["models"]) == set(names) and health["model"] == names[0]
+    metrics = parse_metrics(get_text(server + "/metrics"))
+    for model in names:
+        assert metrics[f'raymoe_requests_total{{endpoint="completions",model="{model}",status="200"}}'] >= 6
