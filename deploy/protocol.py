@@ -91,6 +91,8 @@ def request_models(model_name: str | tuple[str, ...], vocab: int, context_length
     Anything = Any
     SchemaName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     Effort = Literal["low", "medium", "high"]
+    # the values of the unsupported fields that ask for nothing
+    NoSuffix, OneBest, NoFunctionCall, NotInBackground = exactly(""), exactly(1), exactly("none"), exactly(False)
 
     class TextPart(_OpenRequest):
         type: Literal["text"]
@@ -148,8 +150,8 @@ def request_models(model_name: str | tuple[str, ...], vocab: int, context_length
             description="text, or token ids (or a list of one of either)")
         echo: bool | None = None
         logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-        suffix: exactly("") | None = Field(None, description="not supported")
-        best_of: exactly(1) | None = None
+        suffix: NoSuffix | None = Field(None, description="not supported")
+        best_of: OneBest | None = None
 
     class PlainFormat(_Request):
         type: Literal["text", "json_object"]
@@ -195,7 +197,7 @@ def request_models(model_name: str | tuple[str, ...], vocab: int, context_length
         functions: Annotated[list, Field(max_length=0)] | None = Field(None, description="not supported: tools")
         tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = Field(
             None, description="a named function must be one of tools; required needs tools")
-        function_call: exactly("none") | None = None
+        function_call: NoFunctionCall | None = None
         parallel_tool_calls: bool | None = None
         response_format: ResponseFormat | None = Field(None, description="structured outputs (docs/chat.md)")
         chat_template_kwargs: TemplateKwargs | None = None
@@ -268,7 +270,7 @@ def request_models(model_name: str | tuple[str, ...], vocab: int, context_length
         stream: bool | None = None
         text: TextOptions | None = None
         previous_response_id: None = Field(None, description="not supported")
-        background: exactly(False) | None = None
+        background: NotInBackground | None = None
         user: Anything = Field(None, description="accepted and ignored (as are metadata, store, service_tier)")
         metadata: Anything = None
         store: Anything = None
