@@ -416,43 +416,33 @@ class RaymoeServer:
             yield sse(APIError(500, f"generation failed: {type(e).__name__}: {e}").body())
         yield SSE_DONE
 
-    async def _response_events(self, p, generation: Generation):
-        """A Responses stream: its events as named SSE events, ending with response.completed (or
-        response.incomplete, or an error event)."""
-        items = ResponseItems(p)
+    @staticmethod
+    async def _named_events(answer, generation: Generation, to_sse, error_event):
+        """A stream of named events (/v1/responses, /v1/messages): those `answer` (deploy/answer_events.py) builds,
+        each as to_sse(event), ending with its last one or error_event(the APIError)."""
         try:
-            for event in items.start():
-                yield response_sse(event)
+            for event in answer.start():
+                yield to_sse(event)
             async for update in generation.updates():
-                for event in items.update(update):
-                    yield response_sse(event)
+                for event in answer.update(update):
+                    yield to_sse(event)
         except APIError as e:
-            yield response_sse(error_event(e, items.sequence))
+            yield to_sse(error_event(e))
         except Exception as e:     # the pipeline failed mid-stream: say so in the stream
             if client_gone(e):
                 log.info("client disconnected from a stream (%s)", type(e).__name__)
                 return
             log.exception("stream failed")
-            yield response_sse(error_event(APIError(500, f"generation failed: {type(e).__name__}: {e}"),
-                                           items.sequence))
+            yield to_sse(error_event(APIError(500, f"generation failed: {type(e).__name__}: {e}")))
 
-    async def _message_events(self, p, generation: Generation, s: Serving):
-        """A Messages stream: Anthropic's events, named, from message_start to message_stop (or an error event)."""
-        blocks = MessageBlocks(p, s.tokenizer)
-        try:
-            for event in blocks.start():
-                yield message_sse(event)
-            async for update in generation.updates():
-                for event in blocks.update(update):
-                    yield message_sse(event)
-        except APIError as e:
-            yield message_sse(error_body(e))
-        except Exception as e:     # the pipeline failed mid-stream: say so in the stream
-            if client_gone(e):
-                log.info("client disconnected from a stream (%s)", type(e).__name__)
-                return
-            log.exception("stream failed")
-            yield message_sse(error_body(APIError(500, f"generation failed: {type(e).__name__}: {e}")))
+    def _response_events(self, p, generation: Generation):
+        """A Responses stream, ending with response.completed (or response.incomplete, or an error event)."""
+        items = ResponseItems(p)
+        return self._named_events(items, generation, response_sse, lambda e: error_event(e, items.sequence))
+
+    def _message_events(self, p, generation: Generation, s: Serving):
+        """A Messages stream: Anthropic's events, from message_start to message_stop (or an error event)."""
+        return self._named_events(MessageBlocks(p, s.tokenizer), generation, message_sse, error_body)
 
     # ---- Serve hooks -------------------------------------------------------------------------------
     async def check_health(self):

@@ -18,12 +18,11 @@ import json
 import uuid
 
 from raymoe.deploy.api_errors import APIError
-from raymoe.deploy.openai_api import Prepared, check_result, parse_chat
+from raymoe.deploy.answer_events import AnswerEvents
+from raymoe.deploy.openai_api import Prepared, parse_chat
 from raymoe.deploy.protocol import ServedModel
-from raymoe.stages.text.answers import tool_calls_reader
 from raymoe.stages.text.detokenizer import Detokenizer
-from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from raymoe.stages.text.tool_calls import TOOL_CALLS
+from raymoe.stages.text.reasoning import REASONING, OutputParser
 
 # a chat field's name in the Messages body, for the errors that parse_chat raises
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "thinking_token_budget": "thinking",
@@ -125,16 +124,13 @@ def parse_messages(body: dict, served: ServedModel) -> Prepared:
     return p
 
 
-class MessageBlocks:
+class MessageBlocks(AnswerEvents):
     """One message's content blocks, built from the answer's pieces as they come, with the stream events that
     say so (an unstreamed message takes only the last event's message)."""
 
     def __init__(self, p: Prepared, tokenizer):
-        self.p, self.tokenizer = p, tokenizer
-        self.stops = p.engine_request.get("stop") or []
-        parser = p.parser.fresh()
-        self.split = SplitText(parser, self.stops)
-        self.calls = tool_calls_reader(parser, p.tools) if p.tools is not None else None
+        super().__init__(p)
+        self.tokenizer = tokenizer
         self.blocks: list[dict] = []
         self.open: dict | None = None          # the thinking or text block being written
 
@@ -151,7 +147,7 @@ class MessageBlocks:
     def _stop(self, result: dict) -> dict:
         """stop_reason and stop_sequence: the stop sequence is the first that the whole output holds where its
         text was cut."""
-        if self.calls is not None and self.calls.calls:
+        if self.called:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if result["finish_reason"] == "length":
             return {"stop_reason": "max_tokens", "stop_sequence": None}
@@ -201,28 +197,11 @@ class MessageBlocks:
                        "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}},
                       {"type": "content_block_stop", "index": index}]
 
-    def _pieces(self, pieces, final: bool = False) -> list[dict]:
-        if self.calls is not None:
-            pieces = self.calls.feed(pieces) + (self.calls.finish() if final else [])
-        out = []
-        for kind, value in pieces:
-            if kind == TOOL_CALLS:
-                out += self._close() + self._call(value)
-            elif value and kind in (REASONING, CONTENT):
-                out += self._text(kind, value)
-        return out
-
-    def update(self, update: dict) -> list[dict]:
-        """The events of one engine update (the last, with "finished", ends the message)."""
-        if "finished" not in update:
-            return self._pieces(self.split.update(update["token_ids"]))
-        result = update["finished"]
-        check_result(result)
-        out = self._pieces(self.split.final(update["token_ids"], result["text"]), final=True) + self._close()
+    def _end(self, result: dict) -> list[dict]:
         message = self.message(result)
-        return out + [{"type": "message_delta", "delta": {k: message[k] for k in ("stop_reason", "stop_sequence")},
-                       "usage": {"output_tokens": message["usage"]["output_tokens"]}},
-                      {"type": "message_stop", "message": message}]
+        return [{"type": "message_delta", "delta": {k: message[k] for k in ("stop_reason", "stop_sequence")},
+                 "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+                {"type": "message_stop", "message": message}]
 
 
 def message_body(p: Prepared, result: dict, tokenizer) -> dict:

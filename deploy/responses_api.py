@@ -16,11 +16,10 @@ import json
 import uuid
 
 from raymoe.deploy.api_errors import UNSUPPORTED, APIError
-from raymoe.deploy.openai_api import Prepared, check_result, parse_chat
+from raymoe.deploy.answer_events import AnswerEvents
+from raymoe.deploy.openai_api import Prepared, parse_chat
 from raymoe.deploy.protocol import ServedModel
-from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from raymoe.stages.text.answers import tool_calls_reader
-from raymoe.stages.text.tool_calls import TOOL_CALLS
+from raymoe.stages.text.reasoning import REASONING, OutputParser
 
 # a chat field's name in the Responses body, for the errors that parse_chat raises
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -157,15 +156,12 @@ def parse_responses(body: dict, served: ServedModel) -> Prepared:
     return p
 
 
-class ResponseItems:
+class ResponseItems(AnswerEvents):
     """One response's output items, built from the answer's pieces as they come, with the stream events
     that say so (`events` is what a stream sends; an unstreamed response takes only `body`)."""
 
     def __init__(self, p: Prepared):
-        self.p = p
-        parser = p.parser.fresh()
-        self.split = SplitText(parser)
-        self.calls = tool_calls_reader(parser, p.tools) if p.tools is not None else None
+        super().__init__(p)
         self.items: list[dict] = []
         self.open: dict | None = None          # the reasoning or message item being written
         self.sequence = 0
@@ -245,27 +241,9 @@ class ResponseItems:
                                   name=function["name"], arguments=function["arguments"]),
                       self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
-    def _pieces(self, pieces, final: bool = False) -> list[dict]:
-        if self.calls is not None:
-            pieces = self.calls.feed(pieces) + (self.calls.finish() if final else [])
-        out = []
-        for kind, value in pieces:
-            if kind == TOOL_CALLS:
-                out += self._call(value)
-            elif value and kind in (REASONING, CONTENT):
-                out += self._text(kind, value)
-        return out
-
-    def update(self, update: dict) -> list[dict]:
-        """The events of one engine update (the last, with "finished", ends the response)."""
-        if "finished" not in update:
-            return self._pieces(self.split.update(update["token_ids"]))
-        result = update["finished"]
-        check_result(result)
-        out = self._pieces(self.split.final(update["token_ids"], result["text"]), final=True) + self._close()
-        status = "incomplete" if result["finish_reason"] == "length" and not (self.calls and self.calls.calls) \
-            else "completed"
-        return out + [self._event(f"response.{status}", response=self.body(status, result))]
+    def _end(self, result: dict) -> list[dict]:
+        status = "incomplete" if result["finish_reason"] == "length" and not self.called else "completed"
+        return [self._event(f"response.{status}", response=self.body(status, result))]
 
 
 def _copy(item: dict) -> dict:
