@@ -16,7 +16,7 @@ from raymoe.deploy.protocol import ServedModel
 from raymoe.stages.text.chat import check_template_kwargs
 from raymoe.stages.errors import RequestError
 from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, SplitText
-from raymoe.stages.text.requests import chat_prompt, check_prompt
+from raymoe.stages.text.requests import chat_prompt, check_prompt, reasoning_budget
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import choice_seed
 from raymoe.stages.text.structured import output_grammar, response_schema
@@ -181,8 +181,8 @@ def parse_chat(body: dict, served: ServedModel) -> Prepared:
         request["logprobs"] = logprobs
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    budget = body.get("thinking_token_budget")
-    budget = served.reasoning_budget if budget is None else None if budget == -1 else budget
+    given = body.get("thinking_token_budget")
+    budget = served.reasoning_budget if given is None else reasoning_budget(given)
     grammar = _structured(output_grammar, tokenizer, ids, schema, tools, True, "response_format", budget)
     if grammar is not None:
         request["grammar"] = grammar

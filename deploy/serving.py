@@ -19,6 +19,7 @@ from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.openai_api import APIError, TokenText, request_error
 from raymoe.deploy.protocol import MAX_MESSAGES, ServedModel
 from raymoe.stages.errors import RaymoeError, RequestError
+from raymoe.stages.text.requests import reasoning_budget
 
 MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
@@ -175,7 +176,7 @@ class Serving:
         self.token_text = TokenText(self.tokenizer)
         self.metrics = ServerMetrics(self.model_name, metric_families)
         self.served = ServedModel(self.model_name, self.tokenizer, self.context_length, self.vocab, args.max_messages,
-                                  None if args.reasoning_budget == -1 else args.reasoning_budget)
+                                  reasoning_budget(args.reasoning_budget))
         self.created = int(time.time())
         self.api_key = args.api_key.encode() if args.api_key else None
         self.live: set[Generation] = set()        # generations not yet finished
