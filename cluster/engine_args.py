@@ -211,12 +211,12 @@ FLAGS = {
 }
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, names, args_class=EngineArgs):
-    """Add the flags of the settings `names` (keys of FLAGS), each defaulting to its field's default in
+def add_engine_flags(parser: argparse.ArgumentParser, names, args_class=EngineArgs, flags: dict = FLAGS):
+    """Add the flags of the settings `names` (keys of `flags`), each defaulting to its field's default in
     `args_class` (EngineArgs, or a subclass with defaults of its own)."""
     defaults = {f.name: f.default for f in dataclasses.fields(args_class)}
     for name in names:
-        options = dict(FLAGS[name])
+        options = dict(flags[name])
         if not options.get("required"):
             options["default"] = defaults[name]
         parser.add_argument("--" + name.replace("_", "-"), **options)

@@ -16,6 +16,7 @@ from time import perf_counter
 import grpc
 
 from raymoe.deploy.openai_api import APIError, TextDeltas, check_text_size, usage
+from raymoe.deploy.replica_errors import CODE as REPLICA_UNAVAILABLE
 from raymoe.stages.errors import RequestError
 from raymoe.stages.text.answers import output_parser
 from raymoe.stages.text.reasoning import CONTENT, REASONING, SplitText, split_answer
@@ -105,7 +106,7 @@ def logprobs_pb(entries) -> list:
 async def _abort(grpc_context, e: APIError):
     """Ends the call with the status of `e` (raises)."""
     code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
-    if e.code in ("unavailable", "shutting_down"):
+    if e.code in ("unavailable", "shutting_down", REPLICA_UNAVAILABLE):
         code = grpc.StatusCode.UNAVAILABLE
     await grpc_context.abort(code, e.message)
 

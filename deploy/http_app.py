@@ -1,12 +1,14 @@
 """The HTTP application of the Serve ingress: FastAPI routes for the OpenAI API, /health and /metrics,
 the body size limit, errors as OpenAI-style JSON, quiet client disconnects, and the Serve deployment
-(RaymoeServer) that also runs the gRPC server. `app_builder` builds it for `serve run` and Serve configs.
+(RaymoeServer) that also runs the gRPC server. `app_builder` builds the application for `serve run` and Serve
+configs: the ingress, and per served model a Pipeline deployment (deploy/pipeline_replica.py) with its replicas.
 """
 import asyncio
 import dataclasses
 import ipaddress
 import logging
 import os
+import re
 from time import perf_counter
 
 import grpc
@@ -18,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from raymoe.deploy.api_schema import openapi_document
 from raymoe.deploy.grpc_service import RaymoeServicer
 from raymoe.deploy.metrics import metric_families
+from raymoe.deploy.pipeline_replica import PipelineClient, pipeline_deployment
 from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                       models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       sse, usage_chunk)
@@ -29,6 +32,7 @@ from raymoe.stages.text.chat import load_chat_template
 from raymoe.stages.errors import RaymoeError
 
 log = logging.getLogger("raymoe.serve")
+RETRY_AFTER = {"Retry-After": "1"}      # a 503: the queue, a replica or the server; retry soon (on another)
 
 
 def _url_host(host: str) -> str:
@@ -59,7 +63,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=RETRY_AFTER if e.status == 503 else None)
 
 
 def anthropic_error_response(e: APIError) -> JSONResponse:
@@ -196,33 +200,34 @@ async def _internal_error(request, e: Exception):
     return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
 
-# A replica that cannot start (a model whose weights do not load) fails the application at once,
-# rather than being retried without end. Stopping (docs/shutdown.md): Serve waits for the requests in flight,
-# looking every graceful_shutdown_wait_loop_s, then awaits __del__ (RaymoeServer.stop), and kills the replica
-# graceful_shutdown_timeout_s after it began; `python -m raymoe.deploy.serve` calls stop() first, so that streams
-# in flight end with an error event rather than be cut.
+def deployment_name(model_name: str) -> str:
+    """The Pipeline deployment's name of a served model (as `serve status` shows it)."""
+    return "Pipeline-" + re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)[-60:]
+
+
+# A replica that cannot start fails the application at once, rather than being retried without end. Stopping
+# (docs/shutdown.md): Serve waits for the requests in flight, looking every graceful_shutdown_wait_loop_s, then awaits
+# __del__ (RaymoeServer.stop), and kills the replica graceful_shutdown_timeout_s after it began; `python -m
+# raymoe.deploy.serve` calls stop() first, so that streams in flight end with an error event rather than be cut.
 @serve.deployment(name="RaymoeServer", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
                   health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=5,
                   graceful_shutdown_wait_loop_s=0.25, max_constructor_retry_count=1)
 @serve.ingress(api)
 class RaymoeServer:
-    """The ingress: one replica per pipeline, or per set of pipelines, one for each model it serves (the
-    pipelines' actors are its children). A request goes to the model its `model` names (the first when it names
-    none). It also runs the gRPC server, so that gRPC binds the host given (Serve's own gRPC proxy binds every
-    interface)."""
+    """The ingress: it parses and tokenizes requests, and sends each to the model its `model` names (the first when
+    it names none), on one of that model's Pipeline replicas (its request router picks which). It also runs the gRPC
+    server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
 
-    async def __init__(self, args: dict | ServeArgs):
+    async def __init__(self, args: dict | ServeArgs, pipelines: dict):
+        """pipelines: {served model name: the DeploymentHandle of its Pipeline deployment}."""
         self._stopping: asyncio.Future | None = None
         self._openapi: dict | None = None
         args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
-        families = metric_families()
+        families = metric_families({deployment_name(m.name): m.name for m in args.per_model()})
         self.servings: dict[str, Serving] = {}
-        try:
-            for model_args in args.per_model():
-                self.servings[model_args.name] = Serving(model_args, families)
-        except BaseException:
-            await asyncio.gather(*(s.stop() for s in self.servings.values()), return_exceptions=True)
-            raise
+        for model_args in args.per_model():
+            engine = await asyncio.to_thread(PipelineClient, pipelines[model_args.name], model_args)
+            self.servings[model_args.name] = Serving(model_args, engine, families)
         self.serving = next(iter(self.servings.values()))       # the first: requests that name no model
         self.grpc_server = None
         if args.grpc_port:
@@ -331,10 +336,9 @@ class RaymoeServer:
         return body
 
     async def pipeline_info(self) -> dict:
-        """For deploy.serve's first line (not a route): what the replica's pipeline moves activations over, and
-        the warning its start gave, if any."""
-        engine = self.serving.engine
-        return {"transport": (await engine.stats_async())["transport"], "warning": engine.start_warning}
+        """For deploy.serve's first line (not a route): what the first model's pipeline moves activations over (one
+        replica's), and the warning its start gave, if any."""
+        return await self.serving.engine.stats_async()
 
     @api.get("/metrics")
     async def metrics(self):
@@ -445,15 +449,11 @@ class RaymoeServer:
         return self._named_events(MessageBlocks(p, s.tokenizer), generation, message_sse, error_body)
 
     # ---- Serve hooks -------------------------------------------------------------------------------
-    async def check_health(self):
-        for s in self.servings.values():
-            await s.load(timeout=30)    # raises when a coordinator is gone or gave up
-
     async def stop(self):
         """Stop serving, once (later calls wait for the first): gRPC stops taking calls, new HTTP requests
         get 503 "shutting_down", the requests in flight end with that error (a stream: an error event, then
-        [DONE]; a gRPC call: UNAVAILABLE), then the engine's actors stop. Takes at most about STOP_GRACE_S
-        plus the engine's shutdown timeout (cluster.engine.ClusterEngine.shutdown_async)."""
+        [DONE]; a gRPC call: UNAVAILABLE). Takes at most about STOP_GRACE_S. The Pipeline replicas, left with
+        nothing in flight, stop with the application."""
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop())
         await asyncio.shield(self._stopping)
@@ -471,8 +471,24 @@ class RaymoeServer:
             await self.stop()
 
 
+def pipeline_app(args: ServeArgs):
+    """One served model's Pipeline deployment, with its replicas (or autoscaling) and request router."""
+    from ray.serve.config import RequestRouterConfig
+
+    from raymoe.deploy.prefix_router import PrefixAffinityRouter
+    options = {"name": deployment_name(args.name), "graceful_shutdown_timeout_s": args.drain_timeout_s}
+    if args.autoscaling_config:
+        options["autoscaling_config"] = args.autoscaling_config
+    else:
+        options["num_replicas"] = args.replicas
+    if args.request_router == "prefix":
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
+    return pipeline_deployment().options(**options).bind(dataclasses.asdict(args))
+
+
 def app_builder(args: ServeArgs):
-    """The Serve application for `serve run raymoe.deploy.serve:app_builder ...` and Serve configs."""
+    """The Serve application for `serve run raymoe.deploy.serve:app_builder ...` and Serve configs: the ingress,
+    and a Pipeline deployment per served model."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
     # a template file is read here (the driver), where its path means what the user meant
@@ -481,4 +497,5 @@ def app_builder(args: ServeArgs):
     args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template), models=models)
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
-    return RaymoeServer.options(num_replicas=args.replicas).bind(dataclasses.asdict(args))
+    pipelines = {m.name: pipeline_app(m) for m in args.per_model()}
+    return RaymoeServer.bind(dataclasses.asdict(args), pipelines)

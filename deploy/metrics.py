@@ -2,13 +2,17 @@
 
 Latencies are measured where the tokens reach the server (the ingress replica): time to first
 token from the request's arrival, inter-token latency between consecutive tokens of a request.
-Queue length, cache slot use and the prefix cache's are read from the coordinator when /metrics is scraped
-(totals since the coordinator started are gauges: they are read, not counted here).
+Queue length, cache slot use and the prefix cache's are read from one Pipeline replica's coordinator when /metrics
+is scraped (totals since the coordinator started are gauges: they are read, not counted here); counters of the
+ingress (tokens, cached prompt tokens, routing decisions) cover every replica.
 """
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 disable_created_metrics()      # no *_created series
 
@@ -41,12 +45,39 @@ FAMILIES = [
     (Gauge, "raymoe_prefix_cache_hit_tokens", "Prompt tokens skipped by prefix cache hits, since the server started",
      {}),
     (Gauge, "raymoe_prefill_tokens", "Prompt tokens run through the model, since the server started", {}),
+    (Counter, "raymoe_prompt_tokens_cached", "Prompt tokens that a replica's prefix cache held (usage.cached_tokens), "
+     "over all replicas: its ratio to raymoe_prompt_tokens is the hit rate that routing gives", {}),
 ]
 
 
-def metric_families() -> dict:
-    """The metric families in a registry of their own ("registry"), for one model or several that share them."""
+# the prefix routers' choices in this process (deploy/prefix_router.py): (deployment name, decision) -> requests;
+# decision: "prefix" (followed a cached prefix), "balance" (its holder was too busy), "new" (no prefix held anywhere)
+ROUTING_DECISIONS: collections.Counter = collections.Counter()
+
+
+class RoutingDecisions:
+    """raymoe_routing_decisions_total{model, decision}: ROUTING_DECISIONS, for the models of `deployments` ({Pipeline
+    deployment name: model})."""
+
+    def __init__(self, deployments: dict):
+        self.deployments = deployments
+
+    def collect(self):
+        family = CounterMetricFamily("raymoe_routing_decisions", "Requests the prefix router sent on a cached prefix "
+                                     "(prefix), past a too busy holder (balance), or with none held (new)",
+                                     labels=["model", "decision"])
+        for (deployment, decision), count in sorted(ROUTING_DECISIONS.items()):
+            if deployment in self.deployments:
+                family.add_metric([self.deployments[deployment], decision], count)
+        yield family
+
+
+def metric_families(deployments: dict | None = None) -> dict:
+    """The metric families in a registry of their own ("registry"), for one model or several that share them;
+    with the routing decisions of `deployments` ({Pipeline deployment name: model}) when given."""
     registry = CollectorRegistry()
+    if deployments:
+        registry.register(RoutingDecisions(deployments))
     families = {name: kind(name, doc, ["model"], registry=registry, **kw) for kind, name, doc, kw in FAMILIES}
     families["requests"] = Counter("raymoe_requests", "API requests answered, by endpoint and status code",
                                    ["model", "endpoint", "status"], registry=registry)
@@ -64,7 +95,7 @@ class ServerMetrics:
         self.registry, self.requests, self.finished = f["registry"], f["requests"], f["finished"]
         (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.latency, self.in_flight,
          self.queue_length, self.queue_limit, self.waiting, self.slots_used, self.slots_total, self.prefix_bytes,
-         self.prefix_budget, self.prefix_hit_rate, self.prefix_hit_tokens, self.prefill_tokens) = (
+         self.prefix_budget, self.prefix_hit_rate, self.prefix_hit_tokens, self.prefill_tokens, self.cached_tokens) = (
             f[name].labels(model=model) for _, name, _, _ in FAMILIES)
         self.model = model
 
@@ -76,6 +107,7 @@ class ServerMetrics:
         if result and "usage" in result:
             self.prompt_tokens.inc(result["usage"]["prompt_tokens"])
             self.generation_tokens.inc(result["usage"]["completion_tokens"])
+            self.cached_tokens.inc(result["usage"].get("cached_tokens", 0))
         self.latency.observe(elapsed)
 
     def set_load(self, load: dict):

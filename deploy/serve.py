@@ -29,13 +29,13 @@ import signal
 import sys
 import time
 
+import pydantic
 from ray import serve
 
 from raymoe.cluster.engine_args import add_engine_flags
 from raymoe.deploy.http_app import _url_host, app_builder, is_loopback
 from raymoe.deploy.replica_errors import PROXY_CALLBACK
-from raymoe.deploy.protocol import MAX_MESSAGES
-from raymoe.deploy.serving import MAX_BODY_BYTES, MAX_JSON_DEPTH, ServeArgs
+from raymoe.deploy.serving import SERVER_FLAGS, ServeArgs
 from raymoe.stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
@@ -54,27 +54,12 @@ def parse_args(argv=None):
                    help="a .gguf file, an HF model directory, or tiny-qwen35moe / tiny-gptoss; repeated, one app serves "
                         "each (a pipeline each, the flags below for all), and a request's `model` picks one (none: "
                         "the first)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
                          "max_model_len", "prefix_cache_gb", "max_queued", "itl_target_ms", "chat_template",
                          "chat_template_kwargs", "steps_per_call", "placement_timeout"], ServeArgs)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)")
+    add_engine_flags(p, SERVER_FLAGS, ServeArgs, SERVER_FLAGS)
+    p.set_defaults(api_key=os.environ.get("RAYMOE_API_KEY") or None)
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--grpc-port", type=int, default=ServeArgs.grpc_port, help="gRPC port, on --host (0: no gRPC)")
-    p.add_argument("--api-key", default=os.environ.get("RAYMOE_API_KEY") or None,
-                   help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*, gRPC metadata) "
-                        "(default: $RAYMOE_API_KEY; none: no authentication)")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
-                   help="larger HTTP bodies get 413 (and gRPC messages RESOURCE_EXHAUSTED)")
-    p.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH, help="deeper JSON bodies get 400")
-    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES, help="chats with more messages get 400")
-    p.add_argument("--reasoning-budget", type=int, default=-1,
-                   help="the most tokens a chat may reason before the engine ends its reasoning (Qwen's </think>, "
-                        "harmony's final channel); a request's thinking_token_budget wins (-1: no budget)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="ingress replicas, each with a pipeline of its own; Serve's proxy spreads requests over them, "
-                        "and should one die, only its requests in flight fail (docs/faults.md)")
     p.add_argument("--app-name", default=APP_NAME, help="the Serve application's name")
     args = p.parse_args(argv)
     args.model, args.more_models = args.model[0], args.model[1:]      # --model repeated: more models
@@ -124,7 +109,13 @@ def shutdown_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S):
 def main(argv=None) -> int:
     args = parse_args(argv)
     several = [{"model": m} for m in (args.model, *args.more_models)] if args.more_models else None
-    serve_args = ServeArgs.from_flags(args, models=several)
+    try:
+        serve_args = ServeArgs.from_flags(args, models=several)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        print(f"error: --{str(error['loc'][0]).replace('_', '-')}: {error['msg'].removeprefix('Value error, ')}",
+              file=sys.stderr)
+        return 2
     if not serve_args.api_key and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -158,7 +149,7 @@ def main(argv=None) -> int:
         # the local cluster's HTTP proxy answers for a replica that dies with a 503 (deploy/replica_errors.py)
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
     # interruptible from here on (Ray's own startup installs no handlers after this point)
-    connect_ray(sum(a.pp * (1 + a.ep) for a in serve_args.per_model()) * max(1, args.replicas))
+    connect_ray(sum(a.pp * (1 + a.ep) * a.most_replicas for a in serve_args.per_model()))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started_serve = False
@@ -171,7 +162,7 @@ def main(argv=None) -> int:
         host = _url_host(args.host)
         grpc_text = f", gRPC on {host}:{args.grpc_port}" if args.grpc_port else ""
         auth = "API key required" if serve_args.api_key else "no authentication"
-        info = handle.options(method_name="pipeline_info").remote().result(timeout_s=60)    # one replica's
+        info = handle.options(method_name="pipeline_info").remote().result(timeout_s=60)    # one pipeline's
         if info["warning"]:
             print(f"warning: {info['warning']}", file=sys.stderr)
         transport = f", transport={info['transport']}" if args.pp > 1 else ""

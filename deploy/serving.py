@@ -14,15 +14,18 @@ import pydantic
 import pydantic_core
 from pydantic import field_validator
 
-from raymoe.cluster.engine_args import EngineArgs
+from raymoe.cluster.engine_args import EngineArgs, parse_json_object
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.openai_api import APIError, TokenText, request_error
+from raymoe.deploy.pipeline_replica import ReplicaLost
 from raymoe.deploy.protocol import MAX_MESSAGES, ServedModel
+from raymoe.deploy.replica_errors import CODE as REPLICA_UNAVAILABLE
 from raymoe.stages.errors import RaymoeError, RequestError
 from raymoe.stages.text.requests import reasoning_budget
 
 MAX_BODY_BYTES = 2 * 1024 * 1024      # a 128k-token prompt as text or token ids fits
 MAX_JSON_DEPTH = 32                   # OpenAI request bodies nest about 6 deep
+ROUTERS = ("prefix", "default")      # a Pipeline deployment's request router (deploy/prefix_router.py; Serve's)
 STOP_GRACE_S = 2.0                    # stopping: how long requests in flight get to end before the engine stops
 
 
@@ -41,7 +44,12 @@ class ServeArgs(EngineArgs):
     max_body_bytes: int = MAX_BODY_BYTES      # HTTP body / gRPC message size limit
     max_json_depth: int = MAX_JSON_DEPTH
     max_messages: int = MAX_MESSAGES          # messages per chat request
-    replicas: int = 1                         # ingress replicas, each with a pipeline of its own (docs/faults.md)
+    # a model's Pipeline replicas (docs/serving-replicas.md): a fixed number, or Serve's autoscaling_config
+    # (min_replicas, max_replicas, target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...)
+    replicas: int = 1
+    autoscaling_config: dict | None = None
+    request_router: str = "prefix"            # "prefix": to the replica holding the prompt's prefix; "default": Serve's
+    drain_timeout_s: float = 300.0            # a replica scaled down: how long its streams get to end
     reasoning_budget: int = -1                # a chat's most tokens of reasoning (-1: none), unless it sets its own
     # several models in one app: per model, the fields it sets apart from these (model first, then pp,
     # served_model_name, ...); requests go to the one their `model` names, the first when they name none
@@ -54,6 +62,32 @@ class ServeArgs(EngineArgs):
             raise ValueError(f"reasoning_budget must be -1 (none) or at least 0, got {v}")
         return v
 
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, v):
+        if v is not None:
+            from ray.serve.config import AutoscalingConfig
+            unknown = sorted(set(v) - set(AutoscalingConfig.model_fields))
+            if unknown:
+                raise ValueError(f"autoscaling_config: unknown field {unknown[0]!r} (Serve's fields: "
+                                 f"{', '.join(AutoscalingConfig.model_fields)})")
+            try:
+                AutoscalingConfig(**v)
+            except pydantic.ValidationError as e:    # Serve's own model: one line naming the field
+                error = e.errors()[0]
+                where = ".".join(map(str, error["loc"]))
+                raise ValueError(f"autoscaling_config{'.' + where if where else ''}: {error['msg']}") from None
+            except TypeError as e:
+                raise ValueError(f"autoscaling_config: {e}") from None
+        return v
+
+    @field_validator("request_router")
+    @classmethod
+    def _router(cls, v):
+        if v not in ROUTERS:
+            raise ValueError(f"request_router must be one of {', '.join(ROUTERS)}, got {v!r}")
+        return v
+
     @field_validator("max_body_bytes", "max_json_depth", "max_messages", "replicas")
     @classmethod
     def _positive(cls, v, info):
@@ -64,6 +98,11 @@ class ServeArgs(EngineArgs):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def most_replicas(self) -> int:
+        """The most Pipeline replicas this model may have at once."""
+        return self.autoscaling_config.get("max_replicas", 1) if self.autoscaling_config else self.replicas
 
     def per_model(self) -> list["ServeArgs"]:
         """The arguments of each served model: these, with a model's own fields over them. RaymoeError for
@@ -88,8 +127,37 @@ class ServeArgs(EngineArgs):
         return out
 
 
+# The flags of the server's own settings (`python -m raymoe.deploy.serve`), one per ServeArgs field, defaulting to
+# the field's default: a Serve config's `args` take the same names with underscores (the engine's: cluster/engine_args.py)
+SERVER_FLAGS = {
+    "served_model_name": dict(help="the model name clients use (default: --model)"),
+    "host": dict(help="where HTTP and gRPC listen (default loopback only; 0.0.0.0: every interface)"),
+    "grpc_port": dict(type=int, help="gRPC port, on --host (0: no gRPC)"),
+    "api_key": dict(help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*, gRPC metadata) (default: "
+                         "$RAYMOE_API_KEY; none: no authentication)"),
+    "max_body_bytes": dict(type=int, help="larger HTTP bodies get 413 (and gRPC messages RESOURCE_EXHAUSTED)"),
+    "max_json_depth": dict(type=int, help="deeper JSON bodies get 400"),
+    "max_messages": dict(type=int, help="chats with more messages get 400"),
+    "reasoning_budget": dict(type=int, help="the most tokens a chat may reason before the engine ends its reasoning "
+                                            "(Qwen's </think>, harmony's final channel); a request's "
+                                            "thinking_token_budget wins (-1: no budget)"),
+    "replicas": dict(type=int, help="pipelines per model (Serve replicas, each a whole pipeline); should one die, "
+                                    "only its requests in flight fail (docs/faults.md)"),
+    "autoscaling_config": dict(type=parse_json_object, metavar="JSON",
+                               help="scale each model's pipelines with the load, in place of --replicas: Serve's "
+                                    "autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, "
+                                    "\"target_ongoing_requests\": 16}' (docs/serving-replicas.md)"),
+    "request_router": dict(choices=ROUTERS, help="how a model's requests pick a pipeline: prefix (the one holding the "
+                                                 "longest cached prefix of the prompt, unless it is much busier) or "
+                                                 "default (Serve's: the less busy of two)"),
+    "drain_timeout_s": dict(type=float, metavar="S", help="a pipeline scaled down: how long its streams get to end"),
+}
 # the server's own fields, which a model of several may not set apart
-APP_FIELDS = frozenset(("host", "grpc_port", "api_key", "max_body_bytes", "max_json_depth", "replicas", "models"))
+APP_FIELDS = frozenset(("host", "grpc_port", "api_key", "max_body_bytes", "max_json_depth", "models"))
+
+
+def replica_unavailable(e: ReplicaLost) -> APIError:
+    return APIError(503, str(e), code=REPLICA_UNAVAILABLE)
 
 
 def shutting_down() -> APIError:
@@ -116,6 +184,9 @@ class Generation:
             if self.serving.stopping:
                 self._close("shutdown", None)       # the engine stopped under it (Serving.stop)
                 raise shutting_down() from None
+            if isinstance(e, ReplicaLost):
+                self._close("error", None)          # its Pipeline replica died (docs/faults.md)
+                raise replica_unavailable(e) from None
             if isinstance(e, RaymoeError) and not isinstance(e, RequestError):
                 self._close("error", None)          # the engine gave up under it (docs/faults.md)
                 raise APIError(503, f"the pipeline is unavailable: {e}", code="unavailable") from None
@@ -164,12 +235,11 @@ class Generation:
 class Serving:
     """What the HTTP routes and the gRPC methods share: the engine, tokenizer and metrics."""
 
-    def __init__(self, args: ServeArgs, metric_families: dict | None = None):
-        """metric_families: the registry's families this model's metrics go to (deploy/metrics.py), shared by
-        the models of one server."""
-        from raymoe.cluster.engine import ClusterEngine
+    def __init__(self, args: ServeArgs, engine, metric_families: dict | None = None):
+        """engine: the model's pipelines (deploy/pipeline_replica.py, PipelineClient); metric_families: the
+        registry's families this model's metrics go to (deploy/metrics.py), shared by the models of one server."""
         self.args = args
-        self.engine = ClusterEngine(args.engine_args())
+        self.engine = engine
         self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
         self.model_name = args.name
         self.context_length, self.vocab = self.config.context_length, self.config.vocab
@@ -222,6 +292,8 @@ class Serving:
             raise request_error(e) from None
         except QueueFullError as e:
             raise APIError(503, str(e), code="queue_full") from None
+        except ReplicaLost as e:
+            raise replica_unavailable(e) from None
         except RaymoeError as e:
             raise APIError(503, f"the pipeline is unavailable: {e}", code="unavailable") from None
         except Exception as e:   # the coordinator gave up (see Coordinator.error) or died

@@ -4,11 +4,14 @@ concurrent clients; prints requests/s, generated tokens/s, and TTFT and inter-to
     python -m raymoe.tools.bench_serve [--model tiny-qwen35moe] [--pp 1] [--max-tokens 32]   # starts a local server
     python -m raymoe.tools.bench_serve --url http://127.0.0.1:8000                           # or measures a running one
     python -m raymoe.tools.bench_serve --turns 6 --concurrency 8 [--compare-cache]            # multi-turn chats
+    python -m raymoe.tools.bench_serve --turns 4 --concurrency 16 --replicas 4 --compare-router  # routing
 
 With --turns, each client holds a chat conversation of that many turns over /v1/chat/completions: a shared
 system preamble (--history-words), then its own user messages, each turn sending the whole history back
 with the previous answer, as chat clients and agents do. Per turn it prints TTFT p50/p99; --compare-cache
-(local server only) runs it with the prefix cache at its default and off, and prints the ratios.
+(local server only) runs it with the prefix cache at its default and off, and prints the ratios. --compare-router
+(local server, --replicas N) runs it with the prefix router, Serve's default router and one replica, each
+conversation with a history of its own (--own-history), and prints the later turns' TTFT and prefix cache hit rates.
 
 TTFT is from sending the request to the first chunk that carries a token; inter-token latency is the
 gap between consecutive token-carrying chunks of a request (per token). Every client sends its next
@@ -34,7 +37,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_request(session, url: str, body: dict, path: str = "/v1/completions") -> dict:
     start = time.perf_counter()
-    ttft, gaps, tokens, last, text = None, [], 0, None, []
+    ttft, gaps, tokens, last, text, usage = None, [], 0, None, [], None
     async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -45,6 +48,7 @@ async def one_request(session, url: str, body: dict, path: str = "/v1/completion
             chunk = json.loads(line[5:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
+            usage = chunk.get("usage") or usage
             pieces = [c.get("delta", {}).get("content") or c.get("text") or "" for c in chunk.get("choices", [])]
             text += pieces
             # token_ids where the server returns them (return_token_ids); else (llama-server) a chunk per token,
@@ -60,7 +64,7 @@ async def one_request(session, url: str, body: dict, path: str = "/v1/completion
                 gaps.extend([(now - last) / n] * n)
             last = now
             tokens += n
-    return {"ttft": ttft, "itl": gaps, "tokens": tokens, "text": "".join(text)}
+    return {"ttft": ttft, "itl": gaps, "tokens": tokens, "text": "".join(text), "usage": usage}
 
 
 async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int,
@@ -96,25 +100,32 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
 
 
 async def run_conversations(url: str, model: str, clients: int, turns: int, max_tokens: int, prompt_words: int,
-                            history_words: int) -> dict:
-    """`clients` conversations of `turns` turns at once; TTFT per turn, generated tokens/s over the run."""
+                            history_words: int, own_history: bool = False) -> dict:
+    """`clients` conversations of `turns` turns at once; TTFT per turn, generated tokens/s over the run, and the share
+    of the later turns' prompt tokens that the prefix cache held. own_history: each conversation's preamble is its own
+    (no prefix shared between conversations)."""
     import aiohttp
 
     preamble = "You answer questions about words. " + " ".join(f"rule{j % 97} says word{j % 53}"
                                                               for j in range(history_words // 4))
     per_turn = [[] for _ in range(turns)]
     tokens = 0
+    later_prompt = later_cached = 0
 
     async def conversation(session, c: int):
-        nonlocal tokens
-        messages = [{"role": "system", "content": preamble}]
+        nonlocal tokens, later_prompt, later_cached
+        messages = [{"role": "system", "content": f"Conversation {c}. {preamble}" if own_history else preamble}]
         for turn in range(turns):
             messages.append({"role": "user", "content": " ".join(f"word{(c * 31 + turn * 7 + j) % 50}"
                                                                  for j in range(prompt_words))})
             body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0,
-                    "seed": c * 100 + turn, "stream": True, "return_token_ids": True}
+                    "seed": c * 100 + turn, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}
             result = await one_request(session, url, body, "/v1/chat/completions")
             per_turn[turn].append(result["ttft"])
+            if turn and result["usage"]:
+                later_prompt += result["usage"]["prompt_tokens"]
+                later_cached += (result["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             tokens += result["tokens"]
             messages.append({"role": "assistant", "content": result["text"]})
 
@@ -124,13 +135,15 @@ async def run_conversations(url: str, model: str, clients: int, turns: int, max_
         await asyncio.gather(*[conversation(session, c) for c in range(clients)])
         elapsed = time.perf_counter() - start
     return {"clients": clients, "turns": turns, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "later_hit_rate": later_cached / later_prompt if later_prompt else float("nan"),
             "ttft_ms": [{"p50": 1000 * percentile([t for t in ts if t is not None], 50),
                          "p99": 1000 * percentile([t for t in ts if t is not None], 99)} for ts in per_turn]}
 
 
 def conversation_table(run: dict) -> str:
     lines = [f"{run['clients']} clients x {run['turns']} turns: {run['seconds']:.1f} s, "
-             f"{run['tokens_per_s']:.1f} generated tok/s", f"{'turn':>4} {'TTFT p50':>10} {'TTFT p99':>10}"]
+             f"{run['tokens_per_s']:.1f} generated tok/s, prefix cache hit rate of turns 2-{run['turns']} "
+             f"{run['later_hit_rate']:.1%}", f"{'turn':>4} {'TTFT p50':>10} {'TTFT p99':>10}"]
     lines += [f"{i + 1:>4} {t['p50']:>8.1f}ms {t['p99']:>8.1f}ms" for i, t in enumerate(run["ttft_ms"])]
     return "\n".join(lines)
 
@@ -142,6 +155,18 @@ def cache_ratios(on: dict, off: dict) -> str:
     ttft_off = sum(t["p50"] for t in off["ttft_ms"][later])
     return (f"prefix cache on / off: generated tok/s {on['tokens_per_s'] / off['tokens_per_s']:.2f}x, "
             f"TTFT p50 of turns 2-{on['turns']} {ttft_off / ttft_on:.2f}x lower")
+
+
+def router_ratios(prefix: dict, default: dict, single: dict) -> str:
+    """What prefix-aware routing gained: TTFT p50 of the later turns against Serve's default router, and its hit
+    rate against one replica's (which holds every history)."""
+    later = slice(1, None)
+    ttft_prefix = sum(t["p50"] for t in prefix["ttft_ms"][later]) or float("nan")
+    ttft_default = sum(t["p50"] for t in default["ttft_ms"][later])
+    return (f"prefix router: TTFT p50 of turns 2-{prefix['turns']} {ttft_default / ttft_prefix:.2f}x lower than "
+            f"Serve's default router; hit rate {prefix['later_hit_rate']:.1%} (default router "
+            f"{default['later_hit_rate']:.1%}), {prefix['later_hit_rate'] / single['later_hit_rate']:.2f}x one "
+            f"replica's ({single['later_hit_rate']:.1%})")
 
 
 def table(rows: list[dict]) -> str:
@@ -188,18 +213,26 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--turns", type=int, default=0, help="multi-turn chats of this many turns (0: single requests)")
     p.add_argument("--history-words", type=int, default=1200, help="the chats' shared system preamble, in words")
+    p.add_argument("--own-history", action="store_true", help="each chat's preamble is its own (none shared)")
     p.add_argument("--compare-cache", action="store_true",
                    help="with --turns and a local server: run again with the prefix cache off, print the ratios")
+    p.add_argument("--replicas", type=int, default=1, help="pipelines of the local server")
+    p.add_argument("--compare-router", action="store_true",
+                   help="with --turns, --replicas N and a local server: the prefix router, Serve's default router "
+                        "and one replica, each chat with its own history; print the ratios")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.compare_cache and (args.url or not args.turns):
         p.error("--compare-cache needs --turns and a local server (no --url)")
+    if args.compare_router and (args.url or not args.turns or args.replicas < 2):
+        p.error("--compare-router needs --turns, --replicas 2 or more and a local server (no --url)")
+    args.own_history = args.own_history or args.compare_router
 
     def measure(url: str, model: str):
         if args.turns:
             return [asyncio.run(run_conversations(url, model, c, args.turns, args.max_tokens, args.prompt_words,
-                                                  args.history_words)) for c in levels]
+                                                  args.history_words, args.own_history)) for c in levels]
         run = secrets.token_hex(3)      # a later run against the same server repeats no prompt either
         asyncio.run(run_level(url, model, 1, 2, 4, args.prompt_words, f"{run}w"))     # warm-up
         rows = []
@@ -220,10 +253,15 @@ def main(argv=None) -> int:
         from ray import serve
 
         from raymoe.cluster.engine import connect_ray
-        connect_ray(args.pp)
+        connect_ray(args.pp * args.replicas)
         model = args.model
         try:
-            runs = [("cache on", {}), ("cache off", {"prefix_cache_gb": 0})] if args.compare_cache else [("local", {})]
+            runs = [("local", {})]
+            if args.compare_cache:
+                runs = [("cache on", {}), ("cache off", {"prefix_cache_gb": 0})]
+            elif args.compare_router:
+                runs = [("prefix router", {}), ("default router", {"request_router": "default"}),
+                        ("one replica", {"replicas": 1})]
             for i, (label, overrides) in enumerate(runs):
                 if i:
                     serve.shutdown()        # the previous configuration's application and proxy
@@ -233,7 +271,8 @@ def main(argv=None) -> int:
             ray.shutdown()
     kind = f"{args.turns}-turn chats, {args.history_words}-word shared preamble" if args.turns else \
         f"streaming /v1/completions, {args.prompt_words}-word prompts"
-    where = f"the server at {args.url}" if args.url else f"pp={args.pp}, microbatches={args.microbatches or args.pp}"
+    where = f"the server at {args.url}" if args.url else \
+        f"pp={args.pp}, microbatches={args.microbatches or args.pp}, {args.replicas} replica(s)"
     print(f"serving benchmark: {model}, {where}, {kind}, max_tokens "
           f"{args.max_tokens}, temperature 1 (lengths vary: EOS ends some early)")
     for label, rows in results.items():
@@ -242,6 +281,10 @@ def main(argv=None) -> int:
     if args.compare_cache:
         for on, off in zip(results["cache on"], results["cache off"]):
             print(f"{on['clients']} clients: {cache_ratios(on, off)}")
+    if args.compare_router:
+        for prefix, default, single in zip(results["prefix router"], results["default router"],
+                                           results["one replica"]):
+            print(f"{prefix['clients']} clients: {router_ratios(prefix, default, single)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
