@@ -4,8 +4,8 @@ STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
                 405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 # Every error carries a code: the status's default below unless a more precise one
 # is given (context_length_exceeded, unsupported_parameter, unknown_parameter, invalid_body, json_too_deep,
-# too_many_messages, model_not_found, queue_full, unhealthy, shutting_down; replica_unavailable comes from Serve's
-# proxy, deploy/replica_errors.py).
+# too_many_messages, model_not_found, queue_full, unhealthy, shutting_down, replica_unavailable: a pipeline replica
+# died under the request, or the ingress did and Serve's proxy answers, deploy/replica_errors.py).
 ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 500: "internal_error", 503: "unavailable"}
 UNSUPPORTED = "unsupported_parameter"

@@ -1,5 +1,5 @@
-"""The Ray Serve application: an OpenAI-compatible HTTP API and the gRPC service of protos/,
-both over one pipeline (a coordinator and its PP stage actors, optionally expert actors).
+"""The Ray Serve application: an OpenAI-compatible HTTP API and the gRPC service of protos/, over each served
+model's pipelines (a coordinator and its PP stage actors, optionally expert actors, each; docs/serving-replicas.md).
 
     python -m raymoe.deploy.serve --model MODEL [--pp N] [--host 127.0.0.1] [--port 8000] [--grpc-port 9000] [--api-key KEY]
     serve run raymoe.deploy.serve:app_builder model=tiny-qwen35moe pp=2      # the same app from Ray's CLI

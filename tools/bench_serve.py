@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m raymoe.tools.bench_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start a local one)")
     p.add_argument("--model", default="tiny-qwen35moe")
-    add_engine_flags(p, ["pp", "microbatches", "prefix_cache_gb", "itl_target_ms"], ServeArgs)   # of the local server
+    add_engine_flags(p, ["pp", "microbatches", "threads", "prefix_cache_gb", "itl_target_ms"], ServeArgs)   # of the local server
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16, help="requests per level at least")

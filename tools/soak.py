@@ -1,6 +1,6 @@
 """Soak test of the serving endpoint, on demand (not in CI): a bounded run of mixed valid and hostile
 requests, streams dropped at random points, and processes killed (SIGKILL) under load: stage actors, a
-coordinator and an ingress replica (the server runs 2 replicas).
+coordinator and a Pipeline replica (the server runs 2 pipelines).
 
     python -m raymoe.tools.soak [--minutes 10] [--model tiny-qwen35moe] [--pp 2] [--replicas 2] [--json FILE]
                          [--kills stage,coordinator,replica,stage]
@@ -112,12 +112,14 @@ def tree_memory(root: int) -> dict:
 
 
 # what each kill hits: a Ray worker's title is ray::<Class>[.<method in progress>], a Serve replica's
-# ray::ServeReplica:<app>:<deployment>
+# ray::ServeReplica:<app>:<deployment> (a model's pipelines: Pipeline-<model>)
 KILL_TITLES = {"stage": "ray::StageActor", "coordinator": "ray::Coordinator", "replica": "ray::ServeReplica:"}
+KILL_DEPLOYMENT = {"replica": ":Pipeline-"}
 
 
 def actor_pids(root: int, kind: str) -> list[int]:
-    return sorted(pid for pid in process_tree(root) if title(pid).startswith(KILL_TITLES[kind]))
+    return sorted(pid for pid in process_tree(root)
+                  if title(pid).startswith(KILL_TITLES[kind]) and KILL_DEPLOYMENT.get(kind, "") in title(pid))
 
 
 def ray_session_dir(root: int) -> str | None:
@@ -666,7 +668,7 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="with --url: its key (default: RAYMOE_API_KEY); "
                                                    "a server started here gets a random one")
     p.add_argument("--workers", type=int, default=8, help="concurrent clients")
-    p.add_argument("--replicas", type=int, default=2, help="ingress replicas of the server started (each its "
+    p.add_argument("--replicas", type=int, default=2, help="pipelines of the server started (Serve replicas, each its "
                                                            "own pipeline)")
     p.add_argument("--kills", type=kill_list, default=kill_list("stage,coordinator,replica,stage"),
                    help="what to SIGKILL, in order, spread over the run: stage, coordinator, replica (a replica "
