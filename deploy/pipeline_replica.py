@@ -12,7 +12,7 @@ import ray
 from ray import serve
 
 from raymoe.cluster.engine_args import EngineArgs
-from raymoe.stages.errors import RaymoeError
+from raymoe.stages.errors import RaymoeError, unwrap
 
 SUBMITTED = "seq_id"        # the first item of a generation's stream: submitted (or "error": why not)
 
@@ -107,6 +107,8 @@ class PipelineClient:
             first = await stream.__anext__()
         except ray.exceptions.RayActorError as e:
             raise ReplicaLost(e) from None
+        except ray.exceptions.RayTaskError as e:
+            raise unwrap(e) from None
         if "error" in first:
             raise first["error"]
         seq_id = next(self.ids)
@@ -120,6 +122,8 @@ class PipelineClient:
                 yield update
         except ray.exceptions.RayActorError as e:
             raise ReplicaLost(e) from None
+        except ray.exceptions.RayTaskError as e:      # the engine gave up (a RaymoeError inside)
+            raise unwrap(e) from None
         finally:
             self.streams.pop(seq_id, None)
 

@@ -50,6 +50,16 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.holder: collections.OrderedDict = collections.OrderedDict()    # block key -> replica id
         self.name = self._deployment_id.name if self._deployment_id else ""
 
+    def _fulfill_next_pending_request(self, replica, request_metadata=None):
+        """Serve's, but for a request cancelled while it was routed (its client went away): Serve's own (Ray 2.60)
+        sets that request's future all the same, and logs the InvalidStateError with a traceback."""
+        find = getattr(self, "_get_pending_request_matching_internal_request_id", None)
+        pending = find(request_metadata) if find else None
+        if pending is not None and pending.future.done():
+            self._remove_pending_request_from_indices(pending)
+            return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     def _in_flight(self, replica) -> int:
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 

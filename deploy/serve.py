@@ -39,7 +39,7 @@ from raymoe.deploy.serving import SERVER_FLAGS, ServeArgs
 from raymoe.stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
-# SIGTERM/SIGINT: how long the replica gets to end its requests and stop its engine (RaymoeServer.stop), and
+# SIGTERM/SIGINT: how long the ingress gets to end its requests (RaymoeServer.stop), and
 # Serve's controller to stop everything after that (serve.shutdown alone would wait up to 30 s); docs/shutdown.md
 STOP_TIMEOUT_S = 6.0
 SERVE_SHUTDOWN_TIMEOUT_S = 6.0
@@ -81,15 +81,15 @@ class _Stop(BaseException):
     """Raised in the main thread by SIGINT/SIGTERM."""
 
 
-def stop_replica(handle, timeout_s: float = STOP_TIMEOUT_S):
-    """RaymoeServer.stop() on the replica: the requests in flight end with 503 "shutting_down" (streams
-    with an error event and [DONE]) while Serve's proxy still carries them; then its engine stops. Serve,
-    left alone, would wait for them up to graceful_shutdown_timeout_s, kill the proxy at once and the
-    replica after that, cutting every stream."""
+def stop_ingress(handle, timeout_s: float = STOP_TIMEOUT_S):
+    """RaymoeServer.stop() on the ingress: the requests in flight end with 503 "shutting_down" (streams
+    with an error event and [DONE]) while Serve's proxy still carries them, and the pipelines are left with none.
+    Serve, left alone, would wait for them up to graceful_shutdown_timeout_s, kill the proxy at once and the
+    ingress after that, cutting every stream."""
     try:
         handle.options(method_name="stop").remote().result(timeout_s=timeout_s)
     except Exception as e:
-        print(f"warning: stopping the replica: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"warning: stopping the ingress: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def shutdown_serve(timeout_s: float = SERVE_SHUTDOWN_TIMEOUT_S):
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     from raymoe.cluster.engine import connect_ray
     ray_was_up = ray.is_initialized()
     if not (ray_was_up or os.environ.get("RAY_ADDRESS")):
-        # the local cluster's HTTP proxy answers for a replica that dies with a 503 (deploy/replica_errors.py)
+        # the local cluster's HTTP proxy answers for an ingress that dies with a 503 (deploy/replica_errors.py)
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
     # interruptible from here on (Ray's own startup installs no handlers after this point)
     connect_ray(sum(a.pp * (1 + a.ep) * a.most_replicas for a in serve_args.per_model()))
@@ -189,8 +189,8 @@ def main(argv=None) -> int:
             except Exception:
                 handle = None           # no application (it failed to deploy): nothing to stop
         if handle is not None:
-            stop_replica(handle)
-            steps.append(("replica", time.monotonic()))
+            stop_ingress(handle)
+            steps.append(("ingress", time.monotonic()))
         if started_serve:
             try:
                 if ray_was_up or os.environ.get("RAY_ADDRESS"):

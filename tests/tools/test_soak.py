@@ -34,3 +34,15 @@ def test_every_case_builds():
             assert case.expect
             if case.expect == {200}:
                 json.loads(case.body)
+
+
+def test_a_ray_daemon_that_grows_fails_the_soak():
+    def memory(gcs_mib: int) -> dict:
+        return {"rss_bytes": 1000 << 20, "pss_bytes": 0, "processes": 3,
+                "rss_by_process": {"gcs_server": gcs_mib << 20, "raylet": 50 << 20, "deploy.serve": 900 << 20}}
+
+    def report(gcs_after: int) -> dict:
+        return {"kills": [], "memory": {"after_warmup": memory(100), "end": memory(gcs_after), "rss_growth": 0.0}}
+    assert soak.daemon_growth(report(104)["memory"]) == pytest.approx({"gcs_server": 0.04, "raylet": 0.0})
+    assert not [f for f in soak.verdict(report(104), 0) if "gcs_server" in f]
+    assert [f for f in soak.verdict(report(110), 0) if "gcs_server" in f] == ["gcs_server's RSS grew 10.0%"]
