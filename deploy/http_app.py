@@ -1,7 +1,8 @@
 """The HTTP application of the Serve ingress: FastAPI routes for the OpenAI API, /health and /metrics,
 the body size limit, errors as OpenAI-style JSON, quiet client disconnects, and the Serve deployment
 (RaymoeServer) that also runs the gRPC server. `app_builder` builds the application for `serve run` and Serve
-configs: the ingress, and per served model a Pipeline deployment (deploy/pipeline_replica.py) with its replicas.
+configs: the ingress, with the pipeline of each model served by one, and a Pipeline deployment (deploy/pipeline_replica.py)
+for each model served by several.
 """
 import asyncio
 import dataclasses
@@ -215,19 +216,30 @@ def deployment_name(model_name: str) -> str:
 @serve.ingress(api)
 class RaymoeServer:
     """The ingress: it parses and tokenizes requests, and sends each to the model its `model` names (the first when
-    it names none), on one of that model's Pipeline replicas (its request router picks which). It also runs the gRPC
-    server, so that gRPC binds the host given (Serve's own gRPC proxy binds every interface)."""
+    it names none): to its pipeline, whose actors are this replica's children, or to one of its Pipeline replicas
+    (its request router picks which). It also runs the gRPC server, so that gRPC binds the host given (Serve's own
+    gRPC proxy binds every interface)."""
 
     async def __init__(self, args: dict | ServeArgs, pipelines: dict):
-        """pipelines: {served model name: the DeploymentHandle of its Pipeline deployment}."""
+        """pipelines: {served model name: the DeploymentHandle of its Pipeline deployment}, for the models served by
+        several pipelines (or autoscaled); a model served by one has it here, in the ingress's process (no hop
+        through another replica for each token)."""
+        from raymoe.cluster.engine import ClusterEngine
         self._stopping: asyncio.Future | None = None
         self._openapi: dict | None = None
         args = args if isinstance(args, ServeArgs) else ServeArgs(**args)
-        families = metric_families({deployment_name(m.name): m.name for m in args.per_model()})
+        families = metric_families({deployment_name(name): name for name in pipelines})
         self.servings: dict[str, Serving] = {}
-        for model_args in args.per_model():
-            engine = await asyncio.to_thread(PipelineClient, pipelines[model_args.name], model_args)
-            self.servings[model_args.name] = Serving(model_args, engine, families)
+        try:
+            for model_args in args.per_model():
+                if model_args.name in pipelines:
+                    engine = await asyncio.to_thread(PipelineClient, pipelines[model_args.name], model_args)
+                else:
+                    engine = ClusterEngine(model_args.engine_args())
+                self.servings[model_args.name] = Serving(model_args, engine, families)
+        except BaseException:
+            await asyncio.gather(*(s.stop() for s in self.servings.values()), return_exceptions=True)
+            raise
         self.serving = next(iter(self.servings.values()))       # the first: requests that name no model
         self.grpc_server = None
         if args.grpc_port:
@@ -338,7 +350,10 @@ class RaymoeServer:
     async def pipeline_info(self) -> dict:
         """For deploy.serve's first line (not a route): what the first model's pipeline moves activations over (one
         replica's), and the warning its start gave, if any."""
-        return await self.serving.engine.stats_async()
+        engine = self.serving.engine
+        if isinstance(engine, PipelineClient):
+            return await engine.info_async()
+        return {"transport": (await engine.stats_async())["transport"], "warning": engine.start_warning}
 
     @api.get("/metrics")
     async def metrics(self):
@@ -449,11 +464,17 @@ class RaymoeServer:
         return self._named_events(MessageBlocks(p, s.tokenizer), generation, message_sse, error_body)
 
     # ---- Serve hooks -------------------------------------------------------------------------------
+    async def check_health(self):
+        for s in self.servings.values():
+            if not isinstance(s.engine, PipelineClient):
+                await s.load(timeout=30)    # raises when a coordinator is gone or gave up
+
     async def stop(self):
         """Stop serving, once (later calls wait for the first): gRPC stops taking calls, new HTTP requests
         get 503 "shutting_down", the requests in flight end with that error (a stream: an error event, then
-        [DONE]; a gRPC call: UNAVAILABLE). Takes at most about STOP_GRACE_S. The Pipeline replicas, left with
-        nothing in flight, stop with the application."""
+        [DONE]; a gRPC call: UNAVAILABLE), then the pipelines in this process stop. Takes at most about STOP_GRACE_S
+        plus their shutdown timeout (ClusterEngine.shutdown_async). Pipeline replicas, left with nothing in flight,
+        stop with the application."""
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop())
         await asyncio.shield(self._stopping)
@@ -488,7 +509,7 @@ def pipeline_app(args: ServeArgs):
 
 def app_builder(args: ServeArgs):
     """The Serve application for `serve run raymoe.deploy.serve:app_builder ...` and Serve configs: the ingress,
-    and a Pipeline deployment per served model."""
+    and a Pipeline deployment per model served by several pipelines (or autoscaled)."""
     if isinstance(args, dict):
         args = ServeArgs(**args)
     # a template file is read here (the driver), where its path means what the user meant
@@ -497,5 +518,5 @@ def app_builder(args: ServeArgs):
     args = dataclasses.replace(args, chat_template=load_chat_template(args.chat_template), models=models)
     if not args.api_key and os.environ.get("RAYMOE_API_KEY"):
         args = dataclasses.replace(args, api_key=os.environ["RAYMOE_API_KEY"])
-    pipelines = {m.name: pipeline_app(m) for m in args.per_model()}
+    pipelines = {m.name: pipeline_app(m) for m in args.per_model() if m.autoscaling_config or m.replicas > 1}
     return RaymoeServer.bind(dataclasses.asdict(args), pipelines)

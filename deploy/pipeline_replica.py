@@ -1,8 +1,9 @@
-"""A served model's pipeline as a Serve deployment of its own (`Pipeline`: each replica one ClusterEngine, that is a
+"""A served model's pipelines as a Serve deployment of its own (`Pipeline`: each replica one ClusterEngine, that is a
 coordinator with its stage and expert actors), and the ingress's view of it (`PipelineClient`: what deploy.serving
-needs of an engine, over a DeploymentHandle). The ingress parses and tokenizes; it then calls a replica that the
-deployment's request router picks (deploy/prefix_router.py: the one that holds the prompt's longest prefix), so each
-model has its own replicas, autoscaling and router (docs/serving-replicas.md).
+needs of an engine, over a DeploymentHandle), for a model served by several pipelines or autoscaled. The ingress
+parses and tokenizes; it then calls a replica that the deployment's request router picks (deploy/prefix_router.py: the
+one that holds the prompt's longest prefix), so each model has its own replicas, autoscaling and router
+(docs/serving-replicas.md). A model served by one pipeline has it in the ingress's process instead.
 """
 import asyncio
 import dataclasses
@@ -99,7 +100,6 @@ class PipelineClient:
         self.handle = handle
         self.streams: dict[int, object] = {}     # submitted and not yet read to their end
         self.ids = itertools.count()
-        self.start_warning = None
 
     async def submit_async(self, request_id, request: dict, defaults: dict | None = None) -> int:
         stream = self.handle.options(stream=True, method_name="generate").remote(request_id, request)
@@ -138,7 +138,8 @@ class PipelineClient:
     async def check_health_async(self):
         await self.handle.options(method_name="check_health_of_engine").remote()
 
-    async def stats_async(self) -> dict:
+    async def info_async(self) -> dict:
+        """{"transport", "warning"} of one replica's pipeline."""
         return await self.handle.options(method_name="info").remote()
 
     async def shutdown_async(self):

@@ -236,8 +236,9 @@ class Serving:
     """What the HTTP routes and the gRPC methods share: the engine, tokenizer and metrics."""
 
     def __init__(self, args: ServeArgs, engine, metric_families: dict | None = None):
-        """engine: the model's pipelines (deploy/pipeline_replica.py, PipelineClient); metric_families: the
-        registry's families this model's metrics go to (deploy/metrics.py), shared by the models of one server."""
+        """engine: the model's pipeline (cluster.engine.ClusterEngine), or its Pipeline replicas
+        (deploy/pipeline_replica.py, PipelineClient); metric_families: the registry's families this model's metrics go
+        to (deploy/metrics.py), shared by the models of one server."""
         self.args = args
         self.engine = engine
         self.tokenizer, self.config = self.engine.tokenizer, self.engine.config
