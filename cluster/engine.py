@@ -33,6 +33,10 @@ from .pipeline import COORDINATOR_NAMESPACE, PIPELINE_PREFIX, PipelineSpec, coor
 
 _connected_here = False
 _watchdog = None
+# Ray settings of a local cluster that connect_ray starts (set in the environment unless the user set them): task
+# events off, which only the dashboard's task views read (a local cluster has no dashboard) and which grew
+# gcs_server's memory without bound under serving load, ~23 MiB a minute (docs/ray-step.md)
+OWN_CLUSTER_SETTINGS = {"RAY_task_events_report_interval_ms": "0"}
 
 
 def connect_ray(slots_needed: int):
@@ -51,6 +55,8 @@ def connect_ray(slots_needed: int):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
+        for name, value in OWN_CLUSTER_SETTINGS.items():      # inherited by the cluster's processes
+            os.environ.setdefault(name, value)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots_needed + 1), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES,
                  log_to_driver=False, logging_level="ERROR")
