@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from raymoe.deploy.api_schema import openapi_document
 from raymoe.deploy.grpc_service import RaymoeServicer
 from raymoe.deploy.metrics import metric_families
-from raymoe.deploy.pipeline_replica import PipelineClient, pipeline_deployment
+from raymoe.deploy.pipeline_replica import PipelineClient, engine_info, pipeline_deployment
 from raymoe.deploy.openai_api import (SSE_DONE, APIError, StreamFormatter, chat_response, completion_response,
                                       models_response, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       sse, usage_chunk)
@@ -351,9 +351,7 @@ class RaymoeServer:
         """For deploy.serve's first line (not a route): what the first model's pipeline moves activations over (one
         replica's), and the warning its start gave, if any."""
         engine = self.serving.engine
-        if isinstance(engine, PipelineClient):
-            return await engine.info_async()
-        return {"transport": (await engine.stats_async())["transport"], "warning": engine.start_warning}
+        return await (engine.info_async() if isinstance(engine, PipelineClient) else engine_info(engine))
 
     @api.get("/metrics")
     async def metrics(self):

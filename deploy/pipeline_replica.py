@@ -64,7 +64,7 @@ class Pipeline:
         await self.engine.check_health_async()
 
     async def info(self) -> dict:
-        return {"transport": (await self.engine.stats_async())["transport"], "warning": self.engine.start_warning}
+        return await engine_info(self.engine)
 
     async def check_health(self):
         """Serve's health check: a replica whose coordinator gave up is replaced."""
@@ -75,6 +75,12 @@ class Pipeline:
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown_async()
+
+
+async def engine_info(engine) -> dict:
+    """{"transport", "warning"}: what a pipeline (a ClusterEngine) moves activations over, and the warning its start
+    gave, if any."""
+    return {"transport": (await engine.stats_async())["transport"], "warning": engine.start_warning}
 
 
 def check_room(args: EngineArgs, name: str) -> None:

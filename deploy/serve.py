@@ -35,7 +35,7 @@ from ray import serve
 from raymoe.cluster.engine_args import add_engine_flags
 from raymoe.deploy.http_app import _url_host, app_builder, is_loopback
 from raymoe.deploy.replica_errors import PROXY_CALLBACK
-from raymoe.deploy.serving import SERVER_FLAGS, ServeArgs
+from raymoe.deploy.serving import SERVER_FLAGS, ServeArgs, first_error
 from raymoe.stages.errors import RaymoeError
 
 APP_NAME = "raymoe"
@@ -112,9 +112,8 @@ def main(argv=None) -> int:
     try:
         serve_args = ServeArgs.from_flags(args, models=several)
     except pydantic.ValidationError as e:
-        error = e.errors()[0]
-        print(f"error: --{str(error['loc'][0]).replace('_', '-')}: {error['msg'].removeprefix('Value error, ')}",
-              file=sys.stderr)
+        where, what = first_error(e)
+        print(f"error: --{where.split('.')[0].replace('_', '-')}: {what.removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     if not serve_args.api_key and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",

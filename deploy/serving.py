@@ -29,6 +29,12 @@ ROUTERS = ("prefix", "default")      # a Pipeline deployment's request router (d
 STOP_GRACE_S = 2.0                    # stopping: how long requests in flight get to end before the engine stops
 
 
+def first_error(e: pydantic.ValidationError) -> tuple[str, str]:
+    """(where, what) of a validation error's first entry: its location as a dotted path, and its message."""
+    error = e.errors()[0]
+    return ".".join(map(str, error["loc"])), error["msg"]
+
+
 @pydantic.dataclasses.dataclass(config=pydantic.ConfigDict(extra="forbid"))     # a misspelt arg fails
 class ServeArgs(EngineArgs):
     """Arguments of the application (`serve run raymoe.deploy.serve:app_builder key=value ...`, or `args:` in a
@@ -74,11 +80,8 @@ class ServeArgs(EngineArgs):
             try:
                 AutoscalingConfig(**v)
             except pydantic.ValidationError as e:    # Serve's own model: one line naming the field
-                error = e.errors()[0]
-                where = ".".join(map(str, error["loc"]))
-                raise ValueError(f"autoscaling_config{'.' + where if where else ''}: {error['msg']}") from None
-            except TypeError as e:
-                raise ValueError(f"autoscaling_config: {e}") from None
+                where, what = first_error(e)
+                raise ValueError(f"autoscaling_config{'.' + where if where else ''}: {what}") from None
         return v
 
     @field_validator("request_router")
@@ -118,8 +121,8 @@ class ServeArgs(EngineArgs):
             try:
                 out.append(dataclasses.replace(self, **entry, models=None))
             except pydantic.ValidationError as e:
-                error = e.errors()[0]
-                raise RaymoeError(f"models[{i}].{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+                where, what = first_error(e)
+                raise RaymoeError(f"models[{i}].{where}: {what}") from None
         names = [a.name for a in out]
         twice = next((n for n in names if names.count(n) > 1), None)
         if twice is not None:
