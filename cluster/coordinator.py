@@ -28,6 +28,7 @@ from raymoe.stages.runtime.engine import EngineCore
 from raymoe.stages.errors import RaymoeError, RequestError
 from raymoe.stages.files.loader import open_model
 from raymoe.stages.runtime.memory import CacheBudget, GiB
+from raymoe.stages.runtime.speculation import SpeculativeConfig, speculation_load
 from raymoe.stages.prefix.cache import prefix_load_off
 from raymoe.stages.text.requests import line_grammar, prompt_ids, sampling_params
 from raymoe.stages.text.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class Coordinator:
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
         self.core.use_prefix_cache(model, int((args.prefix_cache_gb or 0) * GiB), args.dtype)
+        self.core.use_speculation(SpeculativeConfig.parse(args.speculative_config))
         # a request's sampling values over the job's (deploy.generate flags) over the model's over the built-in ones
         self.model_defaults = SamplingParams.from_dict(model.sampling_defaults)
         self.spec = spec
@@ -242,7 +244,12 @@ class Coordinator:
                 "slots": self.core.max_running, "cache_used": cache_used, "max_queued": self.max_queued,
                 "sequences": len(self.core.sequences), "steps": self.steps, "restarts": self.restarts,
                 "prefill_tokens": self.core.prefill_tokens,
-                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
+                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off(),
+                "speculation": self.speculation_load()}
+
+    def speculation_load(self) -> dict:
+        spec = self.core.speculation
+        return spec.load() if spec is not None else speculation_load(0, 0, 0)
 
     def check_health(self):
         """Raise RaymoeError naming why the engine cannot serve: it gave up, or work has waited
@@ -260,7 +267,8 @@ class Coordinator:
                 "first_token_s": list(self.stats["first_token_s"]), "cpu_s": time.process_time(),
                 "prefill_tokens": self.core.prefill_tokens, "ahead_steps": self.ahead_steps,
                 "ahead_dropped": self.ahead_dropped, "merged_steps": self.merged_steps,
-                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off()}
+                "prefix_cache": self.core.prefix.load() if self.core.prefix is not None else prefix_load_off(),
+                "speculation": self.speculation_load()}
 
     def shutdown(self):
         """Stop the scheduler loop (were it to see the stages die, it would restart them), then the

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from raymoe.stages.text.chat import check_template_kwargs, load_chat_template
 from raymoe.stages.runtime.engine import split_layers
+from raymoe.stages.runtime.speculation import SpeculativeConfig
 from raymoe.stages.errors import RaymoeError, RequestError
 from raymoe.stages.files.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
 
@@ -49,6 +50,7 @@ class EngineArgs:
     placement_timeout: float = PLACEMENT_TIMEOUT
     chat_template: str | None = None         # a Jinja file, or the template itself, in place of the model's
     chat_template_kwargs: dict | None = None  # default template variables of chat requests (theirs override)
+    speculative_config: dict | None = None   # speculative decoding (stages.runtime.speculation.SpeculativeConfig)
     fault_injection: dict | None = None      # test hook: see Coordinator._maybe_inject_fault
     scripted_outputs: dict | None = None     # test hook: see Coordinator.script_for
 
@@ -113,6 +115,8 @@ class EngineArgs:
                 check_template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
             except RequestError as e:
                 raise RaymoeError(str(e)) from None
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.scripted_outputs is not None and not (
                 isinstance(self.scripted_outputs, dict) and all(
                     isinstance(k, str) and k and isinstance(v, list) and all(type(t) is int for t in v)
@@ -208,6 +212,12 @@ FLAGS = {
                                    "again after a node is lost; then it fails, saying so (default %(default)g)"),
     "max_queued": dict(type=int, help="sequences that may wait for a slot; beyond that requests get 503 "
                                       "(-1: unbounded)"),
+    "speculative_config": dict(type=parse_json_object, metavar="JSON",
+                               help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                                    '"num_speculative_tokens": 3}\' (also prompt_lookup_max, default 4, and '
+                                    "prompt_lookup_min, default 1): each decoding sequence sends the tokens that "
+                                    "followed its last n tokens earlier in its text, and one step checks them all; "
+                                    "greedy outputs stay the same (docs/speculative-decoding.md; default: off)"),
 }
 
 

@@ -53,7 +53,7 @@ def parse_args(argv=None):
                    help="independent pipelines (each --pp stages) fed by one Ray Data stream")
     add_engine_flags(p, ["placement", "pp", "ep", "transport", "split", "microbatches", "threads", "dtype", "device",
                          "max_model_len", "max_running", "prefix_cache_gb", "chat_template", "chat_template_kwargs",
-                         "steps_per_call", "placement_timeout"])
+                         "steps_per_call", "placement_timeout", "speculative_config"])
     # sampling defaults of the job; a line's own values override them, and they override the model's
     # (generation_config.json or GGUF general.sampling.*), which override the built-in ones (docs/sampling.md)
     p.add_argument("--max-tokens", type=int, default=None, help="default 64")
@@ -189,11 +189,15 @@ def run_local(args, engine_args: EngineArgs, defaults: dict) -> int:
     prefix = stats["prefix_cache"]
     prefix_text = (f"; prefix cache: {prefix['hit_tokens']} of {prefix['lookup_tokens']} prompt tokens hit "
                    f"({prefix['hits']} requests), {stats['prefill_tokens']} prefilled") if prefix["budget_bytes"] else ""
+    spec = stats["speculation"]
+    spec_text = (f"; speculation: {spec['accepted_tokens']} of {spec['draft_tokens']} drafts accepted "
+                 f"({100 * spec['acceptance_rate']:.0f}%), {spec['mean_accepted_length']:.2f} tokens a verify step"
+                 if spec["draft_tokens"] else "")
     nodes = len({s["node_id"] for s in stats["stages"]})      # where the stage processes ran, as Ray says
     restarts = stats["coordinator_restarts"]
     restarts = f"; the coordinator died and was replaced {restarts} times" if restarts else ""
     print(job.summary(elapsed) + f"{ttft_text}; stages busy {busy}; pp={args.pp} ep={args.ep} "
-          f"nodes={nodes} transport={stats['transport']}{prefix_text}{restarts}",
+          f"nodes={nodes} transport={stats['transport']}{prefix_text}{spec_text}{restarts}",
           file=sys.stderr)
     if job.stopped:
         raise RaymoeError(job.stopped)

@@ -56,7 +56,7 @@ def parse_args(argv=None):
                         "the first)")
     add_engine_flags(p, ["pp", "ep", "dtype", "device", "transport", "threads", "microbatches", "max_running",
                          "max_model_len", "prefix_cache_gb", "max_queued", "itl_target_ms", "chat_template",
-                         "chat_template_kwargs", "steps_per_call", "placement_timeout"], ServeArgs)
+                         "chat_template_kwargs", "steps_per_call", "placement_timeout", "speculative_config"], ServeArgs)
     add_engine_flags(p, SERVER_FLAGS, ServeArgs, SERVER_FLAGS)
     p.set_defaults(api_key=os.environ.get("RAYMOE_API_KEY") or None)
     p.add_argument("--port", type=int, default=8000, help="HTTP port")

@@ -82,12 +82,18 @@ class Attention:
     def __call__(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         q, k, v, gate = self._heads(x, *self._rope(ctx.positions, ctx.memo))
         out = torch.empty_like(q)
-        for sid, rows, _ in ctx.batch.segments():
+        for i, (sid, rows, start) in enumerate(ctx.batch.segments()):
             cache = ctx.caches[sid][layer]
-            keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
-            out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, self.spec.head_dim ** -0.5,
-                                  window=self.window, sinks=self.sinks)
-            cache.trim()       # sliding layers keep at most twice the `window` positions
+            if ctx.batch.verifies(i):       # row by row, as decode steps (stages/layers/cache.py)
+                cache.begin_verify(start)
+                chunks = [slice(r, r + 1) for r in range(rows.start, rows.stop)]
+            else:
+                chunks = [rows]
+            for rows in chunks:
+                keys, values, k_pos = cache.extend(k[rows], v[rows], ctx.positions[rows])
+                out[rows] = attention(q[rows], keys, values, ctx.positions[rows], k_pos, self.spec.head_dim ** -0.5,
+                                      window=self.window, sinks=self.sinks)
+                cache.trim()       # sliding layers keep at most twice the `window` positions
         return self._output(out, gate)
 
     def decode_inputs(self, ctx, layer: int):

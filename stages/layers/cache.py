@@ -1,7 +1,14 @@
-"""Per-sequence caches: KV for attention layers, conv + recurrent state for DeltaNet layers."""
+"""Per-sequence caches: KV for attention layers, conv + recurrent state for DeltaNet layers.
+
+A verify chunk (speculative decoding, stages/runtime/speculation.py) runs a decode token and its drafts as
+decode steps one after another; the cache opens a mark before it (`begin_verify`) and, when the sequence's next
+step starts at an earlier position than the chunk reached (drafts were rejected), `settle` puts it back as if
+only the kept rows had run: from the state at the mark, the kept rows again (their inputs were kept with the
+mark), so the cache holds the bits decoding without drafts gives.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,6 +18,15 @@ EMPTY_POSITION = 1 << 62
 # The least storage a KV cache on a GPU has: a decode step replayed as a CUDA graph is captured again each
 # time a cache grows (moves); and eager and replayed steps then find the same rows
 GRAPH_ROWS = 256
+
+
+@dataclass
+class VerifyMark:
+    """What a cache was before a verify chunk whose first token is at position `start`, and the chunk's rows as
+    the cache took them (their inputs, to run the kept ones again)."""
+    start: int
+    state: tuple
+    rows: list = field(default_factory=list)
 
 
 class KVCache:
@@ -26,13 +42,42 @@ class KVCache:
         self.window, self.max_len = window, max_len
         self.k = self.v = self.pos = None
         self.length = 0
+        self.verify: VerifyMark | None = None
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """Append k/v [n, H, D] at positions pos [n]; returns all keys, values and positions held."""
         n = k.shape[0]
         keys, values, positions = self.reserve(n, k.shape[1:], k.dtype, k.device)
         keys[self.length - n:], values[self.length - n:], positions[self.length - n:] = k, v, pos
+        if self.verify is not None:
+            self.verify.rows.append((k, v, pos))
         return keys, values, positions
+
+    def begin_verify(self, start: int):
+        """Before a verify chunk's rows (extend one at a time, each followed by trim). A full layer only needs how
+        many rows it held; a sliding one its whole state, as a trim may move its rows."""
+        self.verify = VerifyMark(start, (self.length,) if self.window is None else
+                                 (self.snapshot() if self.k is not None else None,))
+
+    def settle(self, position: int):
+        """The sequence's next step starts at `position`: keep the verify chunk's rows before it, drop the rest."""
+        mark, self.verify = self.verify, None
+        if mark is None or position - mark.start >= len(mark.rows):
+            return
+        kept = mark.rows[:position - mark.start]
+        if self.window is None:
+            length = mark.state[0] + len(kept)
+            self.pos[length:self.length] = EMPTY_POSITION
+            self.length = length
+            return
+        if mark.state[0] is None:
+            self.k = self.v = self.pos = None
+            self.length = 0
+        else:
+            self.restore(mark.state[0])
+        for k, v, pos in kept:
+            self.extend(k, v, pos)
+            self.trim()
 
     def reserve(self, n: int, head_shape, dtype, device):
         """Room for n more positions, left for the caller to fill: returns every key, value and position
@@ -130,6 +175,7 @@ class DeltaNetCache:
         # batched decode: conv and state are row `row` of this stack's tensors (see DeltaNetStack)
         self.stack: DeltaNetStack | None = None
         self.row = 0
+        self.verify: VerifyMark | None = None
 
     def hold(self, conv: torch.Tensor, state: torch.Tensor):
         """Hold these tensors from now on (a prefill's results): the cache leaves any decode stack."""
@@ -137,6 +183,23 @@ class DeltaNetCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+
+    def begin_verify(self, start: int, step, rows: range):
+        """Before a verify chunk: its state, and `step(conv [1, K-1, C], state [1, H, dk, dv], row)` that runs the
+        chunk's row `row` (a row of the step's projections) on a one-sequence stack in place."""
+        self.verify = VerifyMark(start, (self.conv.clone(), self.state.clone(), step), list(rows))
+
+    def settle(self, position: int):
+        """As KVCache.settle: back to the state at the mark, then the kept rows again (the delta rule's step only:
+        the projections were kept)."""
+        mark, self.verify = self.verify, None
+        if mark is None or position - mark.start >= len(mark.rows):
+            return
+        conv, state, step = mark.state
+        self.hold(conv, state)
+        stack = DeltaNetStack.of([self])
+        for row in mark.rows[:position - mark.start]:
+            step(stack.conv, stack.state, row)
 
     def snapshot(self) -> tuple:
         """Copies of the conv inputs and the state (which may be rows of a decode stack)."""

@@ -10,6 +10,7 @@ the small per-head tensors at load (weights keep their file's bytes, whatever th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -177,8 +178,15 @@ class DeltaNet:
         qkv, z, beta, alpha = self._projections(x)
         y = torch.empty(x.shape[0], s.value_dim, device=x.device)       # the out projection's input
         singles = []
-        for sid, rows, _ in ctx.batch.segments():
+        for i, (sid, rows, start) in enumerate(ctx.batch.segments()):
             cache = ctx.caches[sid][layer]
+            if ctx.batch.verifies(i):       # row by row, as decode steps (stages/layers/cache.py)
+                step, rows = partial(self._verify_row, qkv, z, beta, alpha, y), range(rows.start, rows.stop)
+                cache.begin_verify(start, step, rows)
+                stack = DeltaNetStack.of([cache])
+                for row in rows:
+                    step(stack.conv, stack.state, row)
+                continue
             if rows.stop - rows.start == 1:
                 singles.append((rows.start, cache))
                 continue
@@ -194,6 +202,10 @@ class DeltaNet:
             stack = DeltaNetStack.of([cache for _, cache in singles])
             net.decode(qkv, z, beta, alpha, [row for row, _ in singles], stack.conv, stack.state, y)
         return self._output(y)
+
+    def _verify_row(self, qkv, z, beta, alpha, y, conv, state, row: int):
+        """The decode step of projection row `row` on a one-sequence stack, its output in y[row]."""
+        self.net.decode(qkv, z, beta, alpha, [row], conv, state, y)
 
     def decode_inputs(self, ctx, layer: int):
         """A decode step's host part: the sequences' caches stacked, (conv [n, K-1, C], state [n, H, dk, dv])."""

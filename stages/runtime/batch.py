@@ -44,6 +44,9 @@ class StepBatch:
     # of its end_ids (per row: its sequence's end and stop tokens)
     steps: int = 1
     end_ids: list[frozenset] = field(default_factory=list)
+    # per chunk, how many of its tokens are drafts (speculative decoding; empty: none): a verify chunk is a decode
+    # token and its drafts, which the mixers take one after another as decode steps would (stages/layers/cache.py)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -53,6 +56,10 @@ class StepBatch:
     def decoding(self) -> bool:
         """One token of every sequence: each layer runs its decode step (stages/layers/block.py Block.decode)."""
         return bool(self.lengths) and all(n == 1 for n in self.lengths)
+
+    def verifies(self, chunk: int) -> bool:
+        """Whether chunk `chunk` is a verify chunk (a decode token and drafts)."""
+        return bool(self.drafts) and self.drafts[chunk] > 0
 
     def segments(self):
         """(seq_id, slice of flat rows, start position) for each chunk."""

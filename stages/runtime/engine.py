@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 
 from raymoe.stages.runtime.batch import StepBatch
@@ -26,6 +27,7 @@ from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import ChunkSampling
 from raymoe.stages.runtime.scheduler import PlannedChunk, Scheduler
 from raymoe.stages.runtime.sequence import Sequence
+from raymoe.stages.runtime.speculation import SpeculativeConfig, Speculation
 from raymoe.stages.runtime.stage import Stage
 from raymoe.stages.runtime.step_budget import PrefillBudget
 from raymoe.stages.text.structured import check_grammar
@@ -62,6 +64,14 @@ class EngineCore:
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        self.speculation: Speculation | None = None
+        self._planned_at: dict[int, float] = {}    # id(plan) -> when a decode or verify step was planned
+
+    def use_speculation(self, config: SpeculativeConfig | None):
+        """Decoding sequences send drafts with their tokens (speculative decoding, stages/runtime/speculation.py)."""
+        self.speculation = None if config is None else Speculation(config)
+        for scheduler in self.groups:
+            scheduler.drafts = None if config is None else self.speculation.drafts
 
     def use_prefix_cache(self, model, budget: int, mode: str):
         """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
@@ -125,9 +135,11 @@ class EngineCore:
             batch, plan = planned
             self.prefill_tokens += sum(max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in plan)
             if self.prefill_budget is not None:
-                self.prefill_budget.planned(plan, sum(c.length for c in plan if c.length > 1))
+                self.prefill_budget.planned(plan, sum(c.length for c in plan if c.length > 1 and not c.drafts))
             if self.prefix is not None:
                 self.prefix.plan(batch, plan)
+            if self.speculation is not None and not any(c.seq.prefilling for c in plan):
+                self._planned_at[id(plan)] = time.perf_counter()
         return planned
 
     def plan_ahead(self, plan: list[PlannedChunk], steps: int = 1,
@@ -156,7 +168,7 @@ class EngineCore:
             start = seq.n_tokens + pending - 1
             last = max(chunks, key=lambda c: c.start)
             if (last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
-                    or seq.script is not None or params.needs_history):
+                    or seq.script is not None or params.needs_history or last.drafts):
                 return None
             steps = min(steps, params.max_tokens - len(seq.output_ids) - pending, seq.context_length - start - 1)
             rows.append((seq, pending, start))
@@ -198,6 +210,9 @@ class EngineCore:
         and those of a sequence that had already ended (a stop string, a cancel) are not used."""
         if self.prefill_budget is not None:
             self.prefill_budget.done(plan)
+        planned_at = self._planned_at.pop(id(plan), None)
+        if planned_at is not None:
+            self.speculation.observe(sum(c.length for c in plan), time.perf_counter() - planned_at)
         finished = []
         for i, c in enumerate(plan):
             seq = c.seq
@@ -211,6 +226,8 @@ class EngineCore:
                     seq.error = f"internal error: {result}"
                 else:
                     seq.record(c.length, *result)
+                    if c.drafts:
+                        self.speculation.verified(seq, c.drafts, len(result[0]) - 1)
             except Exception as e:     # a bug or bad numbers in this sequence: it alone fails
                 log.exception("sequence %s (request %r) failed", seq.seq_id, seq.request_id)
                 seq.error = f"internal error: {type(e).__name__}: {e}"
@@ -252,11 +269,13 @@ class EngineCore:
 
 class LocalEngine(EngineCore):
     def __init__(self, model: ModelFiles, n_stages: int = 1, mode: str = "auto",
-                 scheduler: Scheduler | None = None, device: str = "cpu", prefix_cache_bytes: int = 0):
+                 scheduler: Scheduler | None = None, device: str = "cpu", prefix_cache_bytes: int = 0,
+                 speculation: SpeculativeConfig | None = None):
         super().__init__(model.config, model.tokenizer)
         if scheduler is not None:
             self.groups = [scheduler]
         self.use_prefix_cache(model, prefix_cache_bytes, mode)
+        self.use_speculation(speculation)
         self.model = model
         self.stages = [Stage(model, r, mode, device=device) for r in split_layers(model.n_layers, n_stages)]
 

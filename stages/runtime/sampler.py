@@ -88,6 +88,11 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
     falls in the cumulative distribution."""
     if p.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
+    return draw(token_probs(logits, p), uniform(seed, position))
+
+
+def token_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from (temperature > 0): temperature, top-k, min-p, top-p."""
     # relative to the best logit, so the scaled values are <= 0 and never overflow to +inf
     scaled = (logits - logits.max()) / p.temperature
     if p.top_k > 0 and p.top_k < scaled.shape[0]:
@@ -111,10 +116,20 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, seed: int, position: i
         drop[0] = False            # a top_p that is 0 in float32 (5e-324) still keeps the best token
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token where u in [0, 1) falls in the cumulative distribution of probs (not necessarily normalised)."""
     cdf = probs.double().cumsum(0)
-    token = int(torch.searchsorted(cdf, uniform(seed, position) * float(cdf[-1]), right=True))
+    token = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
     # the product can round up to the total: then the last token that has any probability
     return token if token < len(cdf) else int(probs.nonzero()[-1])
+
+
+def accept_seed(seed: int) -> int:
+    """The seed of the draws that accept or reject drafts (speculative decoding), apart from the tokens' own."""
+    return choice_seed(seed, 1 << 32)
 
 
 @dataclass
@@ -134,6 +149,9 @@ class ChunkSampling:
     # the tokens generated so far, and (repetition_penalty) the prompt's distinct tokens
     output_ids: list[int] | None = None
     prompt_ids: list[int] | None = None
+    # a verify chunk (speculative decoding): the drafts that follow the tip's token, their logits the rows after
+    # the tip's; the result holds the drafts the model keeps and one token of its own (verify_chunk)
+    drafts: list[int] | None = None
 
 
 def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=None) -> list:
@@ -143,10 +161,12 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=No
     logits' device (a GPU's: only the token ids come to the host); the others sample on the host.
     `matchers` (stages.text.structured.Matchers) gives the masks of the chunks with a grammar, all at once."""
     plain = [c.tip for c in chunks if c.tip is not None and c.params.temperature < MIN_TEMPERATURE
-             and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None]
+             and c.params.logprobs is None and not c.params.adjusts_logits and c.params.grammar is None
+             and not c.drafts]
     # a decode step's rows are all of the logits' rows: no copy of them (1 MB a row at 248k tokens)
     best = dict(zip(plain, torch.argmax(take_rows(logits, plain), -1).tolist())) if plain else {}
-    if logits.device.type != "cpu" and any((c.tip is not None and c.tip not in best) or c.targets for c in chunks):
+    if logits.device.type != "cpu" and any((c.tip is not None and c.tip not in best) or c.targets or c.drafts
+                                           for c in chunks):
         logits = logits.cpu()       # the rest samples on the host (its generators are the CPU's)
     constrained = [c for c in chunks if c.tip is not None and c.params.grammar is not None]
     masks = matchers.masks([(c.seq_id, c.params.grammar, c.output_ids or []) for c in constrained]) \
@@ -155,8 +175,11 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=No
     out = []
     for c in chunks:
         try:
-            out.append((best[c.tip], None, []) if c.tip in best and not c.targets
-                       else _sample_chunk(logits, c, allowed.get(id(c))))
+            if c.drafts:
+                out.append(verify_chunk(logits, c))
+            else:
+                out.append((best[c.tip], None, []) if c.tip in best and not c.targets
+                           else _sample_chunk(logits, c, allowed.get(id(c))))
         except Exception as e:
             log.exception("sampling failed (seed %s, position %s)", c.seed, c.position)
             out.append(f"{type(e).__name__}: {e}")
@@ -183,3 +206,36 @@ def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, allowed=None) -> tuple
         if c.params.logprobs is not None:        # of the raw logits (module doc)
             entry = logprob_entry(torch.log_softmax(row, -1), token, c.params.logprobs)
     return token, entry, prompt
+
+
+def verify_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
+    """A verify chunk's result: ([the drafts kept, then the model's own token], their logprob entries or None, []).
+    Row j of its logits (from the tip) predicts the token after draft j (the tip's token for j = 0). Greedy keeps a
+    draft while it is the row's argmax, then takes the argmax: the tokens decoding without drafts gives. Sampling
+    keeps draft d with probability P(d), the row's distribution, and where it does not, draws from P without d:
+    each token is then drawn from P, as without drafts (speculative rejection sampling, with a drafter that
+    proposes one token for sure). The draws are functions of (seed, position), those that accept of their own
+    stream. Its parameters have no history (no penalty or grammar: such sequences do not draft)."""
+    p, drafts = c.params, c.drafts
+    tokens, entries = [], [] if p.logprobs is not None else None
+    for j in range(len(drafts) + 1):
+        row = logits[c.tip + j]
+        adjusted = adjust_logits(row, p) if p.adjusts_logits else row
+        draft, position = (drafts[j] if j < len(drafts) else None), c.position + j
+        if p.temperature < MIN_TEMPERATURE:
+            token = int(torch.argmax(adjusted))
+        else:
+            probs = token_probs(adjusted, p)
+            if draft is not None and uniform(accept_seed(c.seed), position) < float(probs[draft]):
+                token = draft
+            else:
+                if draft is not None:
+                    probs = probs.clone()
+                    probs[draft] = 0
+                token = draw(probs, uniform(c.seed, position))
+        tokens.append(token)
+        if entries is not None:
+            entries.append(logprob_entry(torch.log_softmax(row, -1), token, p.logprobs))
+        if token != draft:
+            break
+    return tokens, entries, []

@@ -18,6 +18,7 @@ class PlannedChunk:
     seq: Sequence
     start: int
     length: int
+    drafts: int = 0         # of its tokens, those that are drafts (a verify chunk; stages/runtime/speculation.py)
 
 
 class Scheduler:
@@ -27,6 +28,9 @@ class Scheduler:
         # whenever the token budget allows, and are the prefix cache's blocks
         self.grid = min(max_batch_tokens, prefill_chunk)
         self.running: list[Sequence] = []
+        # speculative decoding (stages/runtime/speculation.py Speculation): drafts(seq, rows) gives the drafts a
+        # decoding sequence sends with its token, in a step that holds `rows` decode rows before it
+        self.drafts = None
 
     def decoding(self) -> bool:
         return any(not s.prefilling for s in self.running)
@@ -36,30 +40,40 @@ class Scheduler:
         prompt tokens when given (stages/runtime/step_budget.py)."""
         budget = self.max_batch_tokens
         prompt_left = budget if prefill_limit is None else prefill_limit
-        chosen = []
-        for seq in [s for s in self.running if not s.prefilling] + [s for s in self.running if s.prefilling]:
+        decoders = [s for s in self.running if not s.prefilling]
+        chosen = []         # (seq, start, tokens, drafts)
+        for seq in decoders + [s for s in self.running if s.prefilling]:
             limit = min(budget, self.prefill_chunk, prompt_left if seq.prefilling else budget)
             if limit <= 0:
                 break
             start, n = seq.next_chunk(limit, self.grid)
-            chosen.append((seq, start, n))
-            budget -= n
+            tokens = seq.token_slice(start, n)
+            drafts = []
+            if self.drafts is not None and not seq.prefilling and not seq.cancelled:
+                drafts = self.drafts(seq, len(decoders) - 1)[:budget - n]
+            chosen.append((seq, start, tokens + drafts, len(drafts)))
+            budget -= n + len(drafts)
             if seq.prefilling:
                 prompt_left -= n
         if not chosen:
             return None
         plan, sampling, logit_rows, row = [], [], [], 0
-        for seq, start, n in chosen:
-            c, rows = seq.sampling(start, n, row, len(logit_rows))
+        for seq, start, tokens, drafts in chosen:
+            n = len(tokens)
+            if drafts:
+                c, rows = seq.verify_sampling(tokens[1:], len(logit_rows)), list(range(row, row + n))
+            else:
+                c, rows = seq.sampling(start, n, row, len(logit_rows))
             logit_rows.extend(rows)
-            plan.append(PlannedChunk(seq, start, n))
+            plan.append(PlannedChunk(seq, start, n, drafts))
             sampling.append(c)
             row += n
         # a list, not a tensor: it pickles in microseconds on its way to the first stage
-        tokens = [t for seq, start, n in chosen for t in seq.token_slice(start, n)]
-        batch = StepBatch(seq_ids=[s.seq_id for s, _, _ in chosen], start_pos=[st for _, st, _ in chosen],
-                          lengths=[n for _, _, n in chosen], token_ids=tokens, logit_rows=logit_rows,
-                          sampling=sampling)
+        batch = StepBatch(seq_ids=[s.seq_id for s, _, _, _ in chosen], start_pos=[st for _, st, _, _ in chosen],
+                          lengths=[len(t) for _, _, t, _ in chosen], token_ids=[t for c in chosen for t in c[2]],
+                          logit_rows=logit_rows, sampling=sampling)
+        if any(d for *_, d in chosen):
+            batch.drafts = [d for *_, d in chosen]
         return batch, plan
 
     def drop(self, seq: Sequence):

@@ -35,6 +35,8 @@ class Sequence:
         self.cancelled = False           # set by the server when the client went away
         self.error: str | None = None
         self.script: list[int] | None = None   # test hook: tokens in place of the sampled ones (scripted_outputs)
+        self.spec = None                 # its speculation state (stages/runtime/speculation.py), once it drafts
+        self.draft_tokens = self.accepted_tokens = 0     # drafts it sent and the model kept (usage)
 
     @property
     def max_length(self) -> int:
@@ -90,8 +92,24 @@ class Sequence:
             rows.append(row + length - 1)
         return c, rows
 
-    def record(self, length: int, token: int | None, entry: dict | None, prompt_entries: list[dict]):
-        """Apply what the last stage returned for a chunk of `length` tokens."""
+    def verify_sampling(self, drafts: list[int], logit_row: int) -> ChunkSampling:
+        """What the last stage computes for a verify chunk (its next decode token, then `drafts`), whose logits are
+        those from `logit_row`, one per token."""
+        return ChunkSampling(params=self.params, seed=self.seed, position=len(self.output_ids), first=logit_row,
+                             tip=logit_row, seq_id=self.seq_id, drafts=list(drafts))
+
+    def record(self, length: int, token: int | list[int] | None, entry, prompt_entries: list[dict]):
+        """Apply what the last stage returned for a chunk of `length` tokens (for a verify chunk: the drafts kept
+        and the model's own token, with their entries)."""
+        if isinstance(token, list):
+            self.n_cached += len(token)
+            self.draft_tokens += length - 1
+            self.accepted_tokens += len(token) - 1
+            for i, t in enumerate(token):
+                self.append_token(t, None if entry is None else entry[i])
+                if self.finish_reason is not None:
+                    break
+            return
         self.n_cached += length
         if prompt_entries:
             self.prompt_logprobs.extend(prompt_entries)
@@ -137,6 +155,12 @@ class Sequence:
                 return True
         return False
 
+    def speculation_usage(self) -> dict:
+        """Its drafts' counts, for its usage (none without drafts)."""
+        if not self.draft_tokens:
+            return {}
+        return {"draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_tokens}
+
     def result(self) -> dict:
         if self.error:
             return {"id": self.request_id, "error": self.error}
@@ -147,7 +171,7 @@ class Sequence:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
-                      "cached_tokens": self.cached_tokens},
+                      "cached_tokens": self.cached_tokens, **self.speculation_usage()},
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
         }

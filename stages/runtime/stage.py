@@ -38,6 +38,17 @@ def check_device(device: str, mode: str) -> torch.device:
     return device
 
 
+def next_input(start: int, length: int, result) -> tuple[int, int | None]:
+    """(position, token) of the token the next step of a chunk's sequence inputs: the one it sampled (None where
+    its sampling failed), after the chunk, or after the drafts a verify chunk kept (its result holds a list)."""
+    if isinstance(result, str):
+        return start + length, None
+    token = result[0]
+    if isinstance(token, list):
+        return start + len(token), token[-1]
+    return start + length, token
+
+
 class StageWeights:
     """What layer builders read: `w(name)` a tensor of values (float32), `w.matrix(name)` a weight for
     products in the stage's mode (kernels/weights.py); either with `experts`, a slice of the leading
@@ -115,6 +126,8 @@ class Stage:
         self.matchers = Matchers(model.tokenizer, model.config.vocab) if self.last else None
         # a stage that embeds and samples: the token it sampled last per sequence (StepBatch.follow)
         self.sampled: dict[int, int] = {}
+        # sequences whose last step was a verify chunk: their caches settle at their next step (stages/layers/cache.py)
+        self.unsettled: set[int] = set()
         # one stage of several on a node: its link to the others (cluster/chain.py), which carries a follow
         # batch's steps from stage to stage and the last stage's tokens back to the first
         self.link = None
@@ -138,6 +151,7 @@ class Stage:
         """Forget every sequence's caches and the prefix cache (the coordinator forgets its index too)."""
         self.caches.clear()
         self.sampled.clear()
+        self.unsettled.clear()
         self.prefix.clear()
         if self.matchers is not None:
             self.matchers.clear()
@@ -148,6 +162,7 @@ class Stage:
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
         self.sampled.pop(seq_id, None)
+        self.unsettled.discard(seq_id)
         if self.link is not None:
             self.link.forget(seq_id)
         if self.matchers is not None:
@@ -222,12 +237,16 @@ class Stage:
             self.prefix.drop(ops.drop)
         ctx = StepContext(batch=batch, positions=batch.positions().to(self.device),
                           caches={sid: self._caches_for(sid) for sid in batch.seq_ids})
+        if self.unsettled:
+            self._settle(batch, ctx.caches)
         with torch_threads_for(batch.n_tokens):
             if self.graphs is not None and batch.decoding and not ops and self.graphs.usable(len(batch.seq_ids)):
                 x = self.graphs(x, ctx)
             else:
                 for layer in self.layers:
                     x = layer(x, ctx)
+            if batch.drafts:
+                self.unsettled.update(sid for i, sid in enumerate(batch.seq_ids) if batch.verifies(i))
             if ops:
                 self.prefix.store(ops, self.caches)
             # a few attribute reads per sequence and layer: negligible next to the step
@@ -242,11 +261,19 @@ class Stage:
         results = sample_chunks(logits, batch.sampling, self.matchers)
         # the next step may be planned before these tokens reach the coordinator: the stage that embeds it keeps them
         if self.first:      # None for a failed sampling: a follow step stops there
-            for c, result in zip(batch.sampling, results):
+            for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results):
                 if c.tip is not None:
-                    self.sampled[c.seq_id] = None if isinstance(result, str) else result[0]
+                    self.sampled[c.seq_id] = next_input(start, n, result)[1]
         elif self.link is not None:
-            self.link.pass_back([(c.seq_id, start + n, None if isinstance(result, str) else result[0])
+            self.link.pass_back([(c.seq_id, *next_input(start, n, result))
                                  for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results)
                                  if c.tip is not None])
         return results
+
+    def _settle(self, batch: StepBatch, caches: dict):
+        """Drop what rejected drafts left in the caches of the batch's sequences whose last step verified drafts."""
+        for sid, start in zip(batch.seq_ids, batch.start_pos):
+            if sid in self.unsettled:
+                self.unsettled.discard(sid)
+                for cache in caches[sid].values():
+                    cache.settle(start)

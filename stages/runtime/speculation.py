@@ -1,0 +1,201 @@
+"""Speculative decoding's decisions, taken by the engine core wherever it runs: which drafts a decoding
+sequence sends with its next token, and how many (docs/speculative-decoding.md).
+
+A step then runs the sequence's last token and its k drafts as one chunk of k + 1 rows (a verify chunk,
+StepBatch.drafts): every product reads its weights once for all of them, while the mixers take the rows one
+after another as k + 1 decode steps would (the same bits). The last stage keeps the drafts its model agrees
+with and one token of its own (stages/runtime/sampler.py); the stages drop what the rejected rows left in
+their caches at the sequence's next step (stages/layers/cache.py).
+
+A drafter proposes tokens from what a sequence holds: `NgramDrafter` looks its last tokens up earlier in its
+prompt and output (prompt lookup). Another drafter plugs in with the same method, `propose(seq, k)`: a draft
+model or an MTP / EAGLE head would run its own small forward there.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from raymoe.stages.errors import RaymoeError
+
+METHODS = ("ngram",)
+MAX_DRAFTS = 7          # k + 1 <= 8 rows: the products compute each row as it would alone (docs/merged-steps.md)
+EMA = 0.2               # weight of a new measurement in the running estimates
+PROBE_EVERY = 32        # steps without drafts after which a sequence tries one again (its acceptance may have changed)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """From the flag's JSON text (or a dict from a config file); None for no value. A bad one raises
+        RaymoeError naming what is wrong."""
+        if value in (None, "", {}):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RaymoeError(f"--speculative-config: not JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise RaymoeError("--speculative-config: expected a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 3}')
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown:
+            raise RaymoeError(f"--speculative-config: unknown field {unknown[0]!r}")
+        method = value.get("method", "ngram")
+        if method not in METHODS:
+            raise RaymoeError(f"--speculative-config: method {method!r} is not supported (choose {', '.join(METHODS)})")
+        fields = {k: v for k, v in value.items() if k != "method"}
+        for name, v in fields.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise RaymoeError(f"--speculative-config: {name} must be a positive integer, not {v!r}")
+        config = cls(method=method, **fields)
+        if config.num_speculative_tokens > MAX_DRAFTS:
+            raise RaymoeError(f"--speculative-config: num_speculative_tokens {config.num_speculative_tokens} is "
+                              f"more than {MAX_DRAFTS}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise RaymoeError("--speculative-config: prompt_lookup_min is more than prompt_lookup_max")
+        return config
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+
+
+class NgramIndex:
+    """Where each n-gram (n in [low, high]) of a sequence's tokens last occurred, kept up to date as tokens are
+    added: {n-gram: the position of the token after it}."""
+
+    def __init__(self, low: int, high: int):
+        self.low, self.high = low, high
+        self.seen: dict[tuple, int] = {}
+        self.indexed = 0            # tokens whose following n-grams are in `seen`
+
+    def update(self, tokens: list[int]):
+        """Index the n-grams that end before each new token (the last token has none after it yet)."""
+        for i in range(max(self.indexed, 1), len(tokens)):
+            for n in range(self.low, min(self.high, i) + 1):
+                self.seen[tuple(tokens[i - n:i])] = i
+        self.indexed = max(self.indexed, len(tokens))
+
+    def follow(self, tokens: list[int], k: int) -> list[int]:
+        """The (up to) k tokens that followed the longest earlier occurrence of the tokens' last n-gram."""
+        for n in range(min(self.high, len(tokens)), self.low - 1, -1):
+            at = self.seen.get(tuple(tokens[-n:]))
+            if at is not None:
+                return tokens[at:at + k]
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of a sequence's last n tokens, the
+    longest n from prompt_lookup_max down to prompt_lookup_min that occurs (vLLM's `ngram`, llama.cpp's
+    `ngram-simple`). No model runs: greedy text that repeats itself, code edits and quoted documents are what
+    it predicts."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, seq, k: int) -> list[int]:
+        index = seq.spec.index
+        if index is None:
+            index = seq.spec.index = NgramIndex(self.low, self.high)
+        tokens = seq.prompt_ids + seq.output_ids
+        index.update(tokens)
+        return index.follow(tokens, k)
+
+
+class SequenceSpeculation:
+    """A sequence's speculation state: its drafter's index, the acceptance estimate, steps since it last drafted."""
+
+    def __init__(self):
+        self.index = None
+        self.acceptance = 0.5       # the chance that a draft is kept, given the ones before it were (a running estimate)
+        self.idle = 0
+
+
+class Speculation:
+    """The engine's speculation: the drafter, the cost of a step by its rows (measured, a running average), and
+    the counts a run reports. `drafts(seq, rows)` picks how many drafts a sequence sends in a step that already
+    holds `rows` decode rows: the k that maximises the tokens it expects per second, 1 + a + a^2 + ... + a^k
+    over the step's time with k more rows. A step's time is measured, never assumed: a verify step on a CPU reads
+    the experts that any of its rows routes to, so its rows cost what the model's routing makes them cost. While
+    a row count has no measurement it is taken to cost what the nearest fewer rows cost, so it gets tried."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.drafter = NgramDrafter(config)
+        self.step_s: dict[int, float] = {}       # decode steps' seconds by their rows
+        self.drafted = self.accepted = self.verify_steps = 0
+
+    def drafts(self, seq, rows: int) -> list[int]:
+        """The drafts `seq` sends with its next token (none: a plain decode row)."""
+        p = seq.params
+        if seq.spec is None:
+            seq.spec = SequenceSpeculation()
+        state = seq.spec
+        room = min(self.config.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                   seq.context_length - seq.n_tokens - 1)
+        if room < 1 or p.needs_history or seq.script is not None:
+            return []
+        k = self.length(state.acceptance, rows, room)
+        if k == 0:
+            state.idle += 1
+            if state.idle < PROBE_EVERY:
+                return []
+            k = 1
+        state.idle = 0
+        return self.drafter.propose(seq, k)
+
+    def length(self, acceptance: float, rows: int, most: int) -> int:
+        """The draft length with the most expected tokens per second, for a row that joins `rows` others."""
+        best, best_rate, expected, gain = 0, 0.0, 0.0, 1.0
+        for k in range(most + 1):
+            if k:
+                gain *= acceptance
+                expected += gain
+            rate = (1 + expected) / self.cost(rows + 1 + k)
+            if rate > best_rate * 1.02:     # a longer draft must pay back more than noise
+                best, best_rate = k, rate
+        return best
+
+    def cost(self, rows: int) -> float:
+        known = [r for r in self.step_s if r <= rows]
+        if not known:
+            return min(self.step_s.values()) if self.step_s else 1.0
+        return self.step_s[max(known)]
+
+    def observe(self, rows: int, seconds: float):
+        """A decode or verify step of `rows` rows (no prompt chunk) took `seconds`, planned to consumed."""
+        old = self.step_s.get(rows)
+        self.step_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def verified(self, seq, drafted: int, accepted: int):
+        """A verify step kept `accepted` of the sequence's `drafted` drafts."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        # a kept draft says "agreed" once; the first rejected one "disagreed" once; those after it say nothing
+        agreed, tried = accepted, accepted + (accepted < drafted)
+        state = seq.spec
+        for i in range(tried):
+            state.acceptance = (1 - EMA) * state.acceptance + EMA * (1.0 if i < agreed else 0.0)
+
+    def load(self) -> dict:
+        return speculation_load(self.drafted, self.accepted, self.verify_steps)
+
+
+def speculation_load(drafted: int, accepted: int, verify_steps: int) -> dict:
+    """The counts a run reports: drafts sent and kept, verify steps, the acceptance rate (kept / sent) and the
+    mean accepted length (tokens a verify step gave, its own included)."""
+    return {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": verify_steps,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(1 + accepted / verify_steps, 4) if verify_steps else 0.0}
