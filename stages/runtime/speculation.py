@@ -87,11 +87,15 @@ class NgramIndex:
         self.indexed = max(self.indexed, len(tokens))
 
     def follow(self, tokens: list[int], k: int) -> list[int]:
-        """The (up to) k tokens that followed the longest earlier occurrence of the tokens' last n-gram."""
-        for n in range(min(self.high, len(tokens)), self.low - 1, -1):
+        """k tokens after the latest earlier occurrence of the tokens' last n-gram, the longest n that occurred; an
+        occurrence closer than k tokens repeats what it copies (a loop of a few tokens goes on); none without one."""
+        for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
             at = self.seen.get(tuple(tokens[-n:]))
             if at is not None:
-                return tokens[at:at + k]
+                out: list[int] = []
+                for i in range(at, at + k):
+                    out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+                return out
         return []
 
 

@@ -1,0 +1,222 @@
+"""Speculative decoding (stages/runtime/speculation.py): a verify chunk's rows have the logits decode steps give
+them, the caches settle back to the kept rows, greedy outputs are those without drafts at every stage split and
+in every mode, and sampling keeps the model's distribution."""
+import json
+
+import pytest
+import torch
+
+from raymoe.stages.errors import RaymoeError
+from raymoe.stages.files.loader import open_model
+from raymoe.stages.runtime.batch import StepBatch
+from raymoe.stages.runtime.engine import LocalEngine
+from raymoe.stages.runtime.sampler import ChunkSampling, sample_chunks, token_probs
+from raymoe.stages.runtime.speculation import (MAX_DRAFTS, PROBE_EVERY, NgramIndex, SpeculativeConfig, Speculation,
+                                               SequenceSpeculation)
+from raymoe.stages.runtime.stage import Stage
+from raymoe.stages.text.sampling_params import SamplingParams
+from thread_runs import full_width
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4)
+
+
+# ---- the setting -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, message", [
+    ("{", "not JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"method": "mtp"}', "method 'mtp' is not supported"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+    ('{"num_speculative_tokens": true}', "must be a positive integer"),
+    ('{"num_speculative_tokens": 99}', f"more than {MAX_DRAFTS}"),
+    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min is more than prompt_lookup_max"),
+    ('{"draft_model": "x"}', "unknown field 'draft_model'"),
+])
+def test_bad_speculative_configs_are_refused_in_one_line(value, message):
+    with pytest.raises(RaymoeError, match=message) as e:
+        SpeculativeConfig.parse(value)
+    assert "\n" not in str(e.value) and str(e.value).startswith("--speculative-config")
+
+
+def test_speculative_config_reads_vllms_fields():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    assert config == SpeculativeConfig("ngram", 5, 3, 1)
+    assert SpeculativeConfig.parse(json.dumps(config.as_dict())) == config
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
+
+
+# ---- the n-gram drafter ---------------------------------------------------------------------------------------------
+def test_ngram_lookup_takes_the_longest_latest_match_and_continues_loops():
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    index.update(tokens)
+    assert index.follow(tokens, 2) == [9, 2]            # "6 7" last followed by 9 (latest occurrence)
+    tokens += [8]
+    index.update(tokens)
+    assert index.follow(tokens, 3) == [1, 6, 7]         # "6 7 8" occurred once: what followed it
+    loop = [4, 1, 2, 1, 2, 1, 2]
+    index = NgramIndex(1, 4)
+    index.update(loop)
+    assert index.follow(loop, 5) == [1, 2, 1, 2, 1]     # a loop of two tokens goes on past its end
+    assert index.follow([3], 2) == [] and NgramIndex(2, 2).follow([1, 2], 1) == []
+
+
+def test_draft_length_follows_measured_costs_and_acceptance():
+    spec = Speculation(NGRAM)
+    assert spec.length(0.9, 0, 4) == 4          # nothing measured yet: every length costs a step, so the longest
+    spec.observe(1, 0.010)
+    spec.observe(5, 0.040)                      # four drafts cost four steps (a CPU step that reads 4x the experts)
+    assert spec.length(0.5, 0, 4) in (1, 2, 3)   # untried lengths 2-4 cost what one draft's 2 rows... unknown: 1 row's
+    spec.observe(2, 0.025)
+    spec.observe(3, 0.032)
+    spec.observe(4, 0.036)
+    assert spec.length(0.5, 0, 4) == 0           # a draft at 50% never pays for its rows here
+    assert spec.length(0.99, 0, 4) == 4          # one accepted nearly always does
+
+
+def test_a_sequence_whose_drafts_never_pay_stops_drafting_and_probes_again():
+    spec = Speculation(NGRAM)
+    spec.observe(1, 0.010)
+    spec.observe(2, 0.030)
+
+    class Seq:
+        params = SamplingParams(temperature=0, max_tokens=1000)
+        prompt_ids, output_ids, script, spec, context_length = [1, 2, 1, 2, 1, 2], [], None, None, 4096
+
+        @property
+        def n_tokens(self):
+            return len(self.prompt_ids) + len(self.output_ids)
+
+    seq = Seq()
+    seq.spec = SequenceSpeculation()
+    seq.spec.acceptance = 0.1
+    drafted = [len(spec.drafts(seq, 0)) for _ in range(2 * PROBE_EVERY)]
+    assert drafted.count(0) >= 2 * PROBE_EVERY - 2 and 1 in drafted       # it tries one draft now and then
+
+
+# ---- the verify chunk's bits and the caches' rollback ------------------------------------------------------------------
+def verify_like_decode(path: str, mode: str, steps: int = 24, seed: int = 0):
+    """Decode a greedy sequence step by step on one stage; on another, verify drafts of it (some wrong) and go on from
+    the tokens kept: every row a kept draft's input reaches has the decode step's logits, bit for bit."""
+    model = open_model(path)
+    plain, spec = (Stage(model, range(model.n_layers), mode) for _ in range(2))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 1000, (9,), generator=g).tolist()
+    for stage in (plain, spec):
+        stage.forward(StepBatch(seq_ids=[0], start_pos=[0], lengths=[len(prompt)], token_ids=prompt,
+                                logit_rows=[len(prompt) - 1]))
+    tokens, logits = [prompt[-1]], []       # the input at each position from len(prompt) - 1, and its logits
+    for step in range(steps + MAX_DRAFTS + 1):
+        row = plain.forward(StepBatch(seq_ids=[0], start_pos=[len(prompt) - 1 + step], lengths=[1],
+                                      token_ids=[tokens[-1]], logit_rows=[0]))[0]
+        logits.append(row)
+        tokens.append(int(torch.argmax(row)))
+    at, rejected = 0, 0
+    while at < steps:
+        k = int(torch.randint(1, MAX_DRAFTS + 1, (1,), generator=g))
+        drafts = tokens[at + 1:at + 1 + k]
+        wrong = int(torch.randint(0, 2 * k, (1,), generator=g))     # about half the chunks have a wrong draft
+        if wrong < k:
+            drafts[wrong] = (drafts[wrong] + 1) % 1000
+        out = spec.forward(StepBatch(seq_ids=[0], start_pos=[len(prompt) - 1 + at], lengths=[k + 1],
+                                     token_ids=[tokens[at]] + drafts, logit_rows=list(range(k + 1)), drafts=[k]))
+        kept = wrong + 1 if wrong < k else k + 1        # rows whose inputs were right
+        for j in range(kept):
+            assert torch.equal(out[j], logits[at + j]), (mode, at, j)
+        rejected += kept <= k
+        at += kept
+    assert rejected >= 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "float32", "int8"])
+@pytest.mark.parametrize("model", ["tiny-qwen35moe", "tiny-gptoss"])
+def test_verify_chunks_have_the_bits_of_decode_steps(model, mode):
+    verify_like_decode(model, mode, steps=24 if model == "tiny-qwen35moe" else 150)      # past gpt-oss's window
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3.5-35b-a3b", "gpt-oss-20b"])
+def test_verify_chunks_of_full_width_layers_have_the_bits_of_decode_steps(model, tmp_path):
+    path = full_width(model, tmp_path / "model.gguf")
+    for mode in ("auto", "float32"):
+        verify_like_decode(path, mode, steps=12)
+
+
+# ---- whole engines --------------------------------------------------------------------------------------------------
+PROMPTS = ["1 2 3 1 2 3 1 2 3 1 2", "the cat sat on the mat and the cat sat on the", "hello world"]
+
+
+def generate(model, speculation, mode="float32", n_stages=1, **params):
+    engine = LocalEngine(model, n_stages=n_stages, mode=mode, speculation=speculation)
+    out = {}
+    for i, text in enumerate(PROMPTS):
+        engine.add_request(i, model.tokenizer.encode(text), SamplingParams(**params))
+    engine.run_until_done(lambda s: out.__setitem__(s.request_id, s.result()))
+    return out, engine
+
+
+@pytest.mark.parametrize("mode", ["auto", "float32"])
+@pytest.mark.parametrize("model_name", ["tiny-qwen35moe", "tiny-gptoss"])
+def test_greedy_outputs_are_the_same_with_drafts_at_every_split(model_name, mode):
+    model = open_model(model_name)
+    params = dict(temperature=0, max_tokens=80, ignore_eos=True, logprobs=2)
+    plain, _ = generate(model, None, mode, **params)
+    for n_stages in (1, 2, 4):
+        spec, engine = generate(model, NGRAM, mode, n_stages, **params)
+        for i, result in plain.items():
+            assert spec[i]["token_ids"] == result["token_ids"], (n_stages, i)
+            assert spec[i]["logprobs"] == result["logprobs"], (n_stages, i)     # the logits' bits, row by row
+            assert spec[i]["text"] == result["text"]
+        load = engine.speculation.load()
+        assert 0 < load["accepted_tokens"] < load["draft_tokens"], load
+        assert sum(r["usage"].get("accepted_draft_tokens", 0) for r in spec.values()) == load["accepted_tokens"]
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_sequence_there():
+    model = open_model("tiny-qwen35moe")
+    plain, _ = generate(model, None, temperature=0, max_tokens=80, ignore_eos=True)
+    text = plain[0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    for max_tokens in (37, 80):
+        want, _ = generate(model, None, temperature=0, max_tokens=max_tokens, stop=[stop])
+        got, engine = generate(model, NGRAM, temperature=0, max_tokens=max_tokens, stop=[stop])
+        assert engine.speculation.load()["accepted_tokens"] > 0
+        for i in want:
+            assert (got[i]["text"], got[i]["finish_reason"]) == (want[i]["text"], want[i]["finish_reason"])
+            assert len(got[i]["token_ids"]) <= max_tokens
+
+
+def test_verify_sampling_draws_from_the_models_distribution():
+    """Speculative rejection sampling: over many seeds, the first token is drawn from row 0's distribution, and after
+    a kept draft the next from row 1's, whatever the draft."""
+    params = SamplingParams(temperature=0.8, top_k=4)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 1.0, -0.5, 0.3]])
+    want = [token_probs(row, params) for row in logits]
+    n = 6000
+    for draft in (0, 3):
+        first, second = torch.zeros(5), torch.zeros(5)
+        for seed in range(n):
+            c = ChunkSampling(params=params, seed=seed, tip=0, drafts=[draft])
+            tokens, _, _ = sample_chunks(logits, [c])[0]
+            first[tokens[0]] += 1
+            if tokens[0] == draft:
+                second[tokens[1]] += 1
+        assert (first / n - want[0]).abs().sum() < 0.04, (draft, first / n, want[0])
+        assert (second / second.sum() - want[1]).abs().sum() < 0.08, (draft, second / second.sum(), want[1])
+
+
+def test_seeded_sampling_with_drafts_keeps_the_models_distribution():
+    """On the embedded model: the distribution of the first sampled tokens over seeds is the same with drafts."""
+    model = open_model("tiny-qwen35moe")
+    prompt = model.tokenizer.encode("1 2 3 1 2 3 1 2 3 1 2 3 1 2")
+    counts = []
+    for speculation in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        engine = LocalEngine(model, mode="float32", speculation=speculation)
+        for seed in range(300):
+            engine.add_request(seed, prompt, SamplingParams(temperature=0.7, seed=seed, max_tokens=4, ignore_eos=True))
+        seen: dict = {}
+        engine.run_until_done(lambda s: seen.__setitem__(tuple(s.output_ids[:2]), seen.get(tuple(s.output_ids[:2]), 0) + 1))
+        counts.append(seen)
+    keys = set(counts[0]) | set(counts[1])
+    tv = sum(abs(counts[0].get(k, 0) - counts[1].get(k, 0)) for k in keys) / 600
+    assert tv < 0.15, (tv, counts)
+    assert engine.speculation.load()["verify_steps"] > 0
