@@ -34,11 +34,21 @@ class PromptTokensDetails(Closed):
     cached_tokens: int = Field(description="the prompt's tokens that the prefix cache gave")
 
 
+class SpeculationUsage(Closed):
+    draft_tokens: int = Field(description="drafts sent with the request's tokens (speculative decoding)")
+    accepted_tokens: int = Field(description="drafts the model agreed with: tokens it gave with no step of their own")
+    verify_steps: int = Field(description="steps that checked drafts")
+    acceptance_rate: float = Field(description="accepted_tokens / draft_tokens")
+    mean_accepted_length: float = Field(description="tokens a verify step gave, its own included")
+
+
 class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    speculation: SpeculationUsage | None = Field(None, description="only where the server speculates "
+                                                 "(--speculative-config) and the request's tokens had drafts")
 
 
 FinishReason = Literal["stop", "length"]

@@ -32,8 +32,11 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
 
 def usage_pb(result_usage: dict) -> pb.Usage:
     u = usage(**result_usage)
+    drafts = u.get("speculation") or {}
     return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
-                    total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"])
+                    total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"],
+                    draft_tokens=drafts.get("draft_tokens", 0), accepted_draft_tokens=drafts.get("accepted_tokens", 0),
+                    verify_steps=drafts.get("verify_steps", 0))
 
 
 def engine_request(request: pb.GenerateRequest, serving) -> dict:

@@ -47,6 +47,11 @@ FAMILIES = [
     (Gauge, "raymoe_prefill_tokens", "Prompt tokens run through the model, since the server started", {}),
     (Counter, "raymoe_prompt_tokens_cached", "Prompt tokens that a replica's prefix cache held (usage.cached_tokens), "
      "over all replicas: its ratio to raymoe_prompt_tokens is the hit rate that routing gives", {}),
+    (Counter, "raymoe_spec_decode_draft_tokens", "Draft tokens sent (speculative decoding)", {}),
+    (Counter, "raymoe_spec_decode_accepted_tokens", "Draft tokens the model accepted: over draft tokens, the "
+     "acceptance rate", {}),
+    (Counter, "raymoe_spec_decode_verify_steps", "Steps that verified drafts: 1 + accepted tokens over these is the "
+     "mean accepted length", {}),
 ]
 
 
@@ -95,7 +100,8 @@ class ServerMetrics:
         self.registry, self.requests, self.finished = f["registry"], f["requests"], f["finished"]
         (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.latency, self.in_flight,
          self.queue_length, self.queue_limit, self.waiting, self.slots_used, self.slots_total, self.prefix_bytes,
-         self.prefix_budget, self.prefix_hit_rate, self.prefix_hit_tokens, self.prefill_tokens, self.cached_tokens) = (
+         self.prefix_budget, self.prefix_hit_rate, self.prefix_hit_tokens, self.prefill_tokens, self.cached_tokens,
+         self.draft_tokens, self.accepted_tokens, self.verify_steps) = (
             f[name].labels(model=model) for _, name, _, _ in FAMILIES)
         self.model = model
 
@@ -108,6 +114,11 @@ class ServerMetrics:
             self.prompt_tokens.inc(result["usage"]["prompt_tokens"])
             self.generation_tokens.inc(result["usage"]["completion_tokens"])
             self.cached_tokens.inc(result["usage"].get("cached_tokens", 0))
+            drafts = result["usage"].get("speculation")
+            if drafts:
+                self.draft_tokens.inc(drafts["draft_tokens"])
+                self.accepted_tokens.inc(drafts["accepted_tokens"])
+                self.verify_steps.inc(drafts["verify_steps"])
         self.latency.observe(elapsed)
 
     def set_load(self, load: dict):

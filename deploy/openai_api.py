@@ -19,6 +19,7 @@ from raymoe.stages.text.reasoning import CONTENT, REASONING, OutputParser, Split
 from raymoe.stages.text.requests import chat_prompt, check_prompt, reasoning_budget
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import choice_seed
+from raymoe.stages.runtime.speculation import speculation_load
 from raymoe.stages.text.structured import output_grammar, response_schema
 from raymoe.stages.text.answers import chat_parsers, split_message, tool_calls_reader
 from raymoe.stages.text.tool_calls import TOOL_CALLS
@@ -275,11 +276,14 @@ def parse_detokenize(body: dict, served: ServedModel) -> dict:
 
 # ---- responses ------------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: the prompt's tokens that the prefix cache gave (as OpenAI and vLLM say)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, speculation: dict | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt's tokens that the prefix cache gave (as OpenAI and vLLM say);
+    speculation: the drafts' counts (speculative decoding), where any were sent."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if speculation:
+        out["speculation"] = speculation
+    return out
 
 
 class TokenText:
@@ -355,8 +359,11 @@ def check_result(result: dict):
 def total_usage(results: list[dict]) -> dict:
     """The usage of a request's choices: its prompt once (as OpenAI and vLLM count it), every choice's tokens."""
     first = results[0]["usage"]
+    drafts = [r["usage"]["speculation"] for r in results if "speculation" in r["usage"]]
+    speculation = speculation_load(*(sum(d[k] for d in drafts) for k in ("draft_tokens", "accepted_tokens",
+                                                                         "verify_steps"))) if drafts else None
     return usage(first["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results),
-                 first.get("cached_tokens", 0))
+                 first.get("cached_tokens", 0), speculation)
 
 
 def completion_response(p: Prepared, results: list[dict], token_text: TokenText, prompt_text: str | None) -> dict:

@@ -168,7 +168,8 @@ class EngineCore:
             start = seq.n_tokens + pending - 1
             last = max(chunks, key=lambda c: c.start)
             if (last.start + last.length != start or seq.finish_reason is not None or seq.cancelled
-                    or seq.script is not None or params.needs_history or last.drafts):
+                    or seq.script is not None or params.needs_history
+                    or (self.speculation is not None and not self.speculation.may_follow(seq))):
                 return None
             steps = min(steps, params.max_tokens - len(seq.output_ids) - pending, seq.context_length - start - 1)
             rows.append((seq, pending, start))

@@ -6,6 +6,7 @@ import os
 from raymoe.stages.text.detokenizer import Detokenizer
 from raymoe.stages.text.sampling_params import SamplingParams
 from raymoe.stages.runtime.sampler import ChunkSampling
+from raymoe.stages.runtime.speculation import speculation_load
 
 
 class Sequence:
@@ -36,7 +37,7 @@ class Sequence:
         self.error: str | None = None
         self.script: list[int] | None = None   # test hook: tokens in place of the sampled ones (scripted_outputs)
         self.spec = None                 # its speculation state (stages/runtime/speculation.py), once it drafts
-        self.draft_tokens = self.accepted_tokens = 0     # drafts it sent and the model kept (usage)
+        self.draft_tokens = self.accepted_tokens = self.verify_steps = 0   # drafts sent and kept, steps (usage)
 
     @property
     def max_length(self) -> int:
@@ -104,6 +105,7 @@ class Sequence:
         if isinstance(token, list):
             self.n_cached += len(token)
             self.draft_tokens += length - 1
+            self.verify_steps += 1
             self.accepted_tokens += len(token) - 1
             for i, t in enumerate(token):
                 self.append_token(t, None if entry is None else entry[i])
@@ -159,7 +161,7 @@ class Sequence:
         """Its drafts' counts, for its usage (none without drafts)."""
         if not self.draft_tokens:
             return {}
-        return {"draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_tokens}
+        return {"speculation": speculation_load(self.draft_tokens, self.accepted_tokens, self.verify_steps)}
 
     def result(self) -> dict:
         if self.error:

@@ -22,6 +22,7 @@ METHODS = ("ngram",)
 MAX_DRAFTS = 7          # k + 1 <= 8 rows: the products compute each row as it would alone (docs/merged-steps.md)
 EMA = 0.2               # weight of a new measurement in the running estimates
 PROBE_EVERY = 32        # steps without drafts after which a sequence tries one again (its acceptance may have changed)
+FOLLOW_CALLS = 2        # calls sent ahead (plan_ahead) in a row for a sequence that had no drafts, before it looks again
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class SequenceSpeculation:
         self.index = None
         self.acceptance = 0.5       # the chance that a draft is kept, given the ones before it were (a running estimate)
         self.idle = 0
+        self.quiet = False          # its last step had no drafts
+        self.follows = 0            # calls sent ahead for it since
 
 
 class Speculation:
@@ -150,14 +153,28 @@ class Speculation:
                    seq.context_length - seq.n_tokens - 1)
         if room < 1 or p.needs_history or seq.script is not None:
             return []
+        state.follows = 0
         k = self.length(state.acceptance, rows, room)
         if k == 0:
             state.idle += 1
-            if state.idle < PROBE_EVERY:
+            state.quiet = state.idle < PROBE_EVERY
+            if state.quiet:
                 return []
             k = 1
         state.idle = 0
-        return self.drafter.propose(seq, k)
+        drafts = self.drafter.propose(seq, k)
+        state.quiet = not drafts
+        return drafts
+
+    def may_follow(self, seq) -> bool:
+        """Whether a step may be sent ahead for `seq` (stages/runtime/engine.py plan_ahead), before its token is back:
+        only after a step without drafts, and FOLLOW_CALLS such calls in a row at most, so that it looks for drafts
+        again every few tokens. Its drafts need the token they follow."""
+        state = seq.spec
+        if state is None or not state.quiet or state.follows >= FOLLOW_CALLS:
+            return False
+        state.follows += 1
+        return True
 
     def length(self, acceptance: float, rows: int, most: int) -> int:
         """The draft length with the most expected tokens per second, for a row that joins `rows` others."""
