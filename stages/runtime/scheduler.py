@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from raymoe.stages.runtime.batch import StepBatch
 from raymoe.stages.runtime.sequence import Sequence
+from raymoe.stages.runtime.speculation import ROWS_ALONE
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Scheduler:
         budget = self.max_batch_tokens
         prompt_left = budget if prefill_limit is None else prefill_limit
         decoders = [s for s in self.running if not s.prefilling]
+        # drafts only while the step's decode rows stay within what products compute row by row (the same bits)
+        spare = ROWS_ALONE - len(decoders)
         chosen = []         # (seq, start, tokens, drafts)
         for seq in decoders + [s for s in self.running if s.prefilling]:
             limit = min(budget, self.prefill_chunk, prompt_left if seq.prefilling else budget)
@@ -49,8 +52,9 @@ class Scheduler:
             start, n = seq.next_chunk(limit, self.grid)
             tokens = seq.token_slice(start, n)
             drafts = []
-            if self.drafts is not None and not seq.prefilling and not seq.cancelled:
-                drafts = self.drafts(seq, len(decoders) - 1)[:budget - n]
+            if self.drafts is not None and not seq.prefilling and not seq.cancelled and spare > 0:
+                drafts = self.drafts(seq, ROWS_ALONE - spare - 1)[:min(spare, budget - n)]
+                spare -= len(drafts)
             chosen.append((seq, start, tokens + drafts, len(drafts)))
             budget -= n + len(drafts)
             if seq.prefilling:

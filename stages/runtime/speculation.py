@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from raymoe.stages.errors import RaymoeError
 
 METHODS = ("ngram",)
-MAX_DRAFTS = 7          # k + 1 <= 8 rows: the products compute each row as it would alone (docs/merged-steps.md)
+# a step's decode and verify rows, at most: up to 8 rows the products compute each row as it would alone
+# (docs/merged-steps.md), so a verify chunk's rows get the bits of the decode steps they stand for
+ROWS_ALONE = 8
+MAX_DRAFTS = ROWS_ALONE - 1
 EMA = 0.2               # weight of a new measurement in the running estimates
 PROBE_EVERY = 32        # steps without drafts after which a sequence tries one again (its acceptance may have changed)
 FOLLOW_CALLS = 2        # calls sent ahead (plan_ahead) in a row for a sequence that had no drafts, before it looks again
