@@ -224,3 +224,27 @@ def test_seeded_sampling_with_drafts_keeps_the_models_distribution():
     tv = sum(abs(counts[0].get(k, 0) - counts[1].get(k, 0)) for k in keys) / 600
     assert tv < 0.15, (tv, counts)
     assert engine.speculation.load()["verify_steps"] > 0
+
+
+def test_drafts_with_the_prefix_cache():
+    """Prompts that share a preamble start from cached blocks; their drafts' rows never reach the cache, and the
+    outputs are those of an engine with neither."""
+    from raymoe.stages.runtime.scheduler import Scheduler
+    model = open_model("tiny-qwen35moe")
+    preamble = "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 "
+    prompts = [preamble + "the cat sat", preamble + "the cat sat on the mat", preamble + "hello"]
+
+    def run(speculation, cache_bytes):
+        engine = LocalEngine(model, mode="float32", scheduler=Scheduler(max_batch_tokens=64, prefill_chunk=16),
+                             prefix_cache_bytes=cache_bytes, speculation=speculation)
+        out = {}
+        for i, text in enumerate(prompts):      # one after another: each later one finds the blocks cached
+            engine.add_request(i, model.tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=40,
+                                                                               ignore_eos=True))
+            engine.run_until_done(lambda s: out.__setitem__(s.request_id, s.output_ids))
+        return out, engine
+
+    want, _ = run(None, 0)
+    got, engine = run(NGRAM, 1 << 26)
+    assert got == want
+    assert engine.prefix.load()["hit_tokens"] > 0 and engine.speculation.load()["accepted_tokens"] > 0
