@@ -34,7 +34,8 @@ class PromptTokensDetails(Closed):
     cached_tokens: int = Field(description="the prompt's tokens that the prefix cache gave")
 
 
-class SpeculationUsage(Closed):
+class SpeculationCounts(Closed):
+    """Speculative decoding's drafts (docs/speculative-decoding.md)."""
     draft_tokens: int = Field(description="drafts sent with the request's tokens (speculative decoding)")
     accepted_tokens: int = Field(description="drafts the model agreed with: tokens it gave with no step of their own")
     verify_steps: int = Field(description="steps that checked drafts")
@@ -47,7 +48,7 @@ class Usage(Closed):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    speculation: SpeculationUsage | None = Field(None, description="only where the server speculates "
+    speculation: SpeculationCounts | None = Field(None, description="only where the server speculates "
                                                  "(--speculative-config) and the request's tokens had drafts")
 
 
@@ -216,6 +217,7 @@ class Health(Closed):
     restarts: int
     prefill_tokens: int
     prefix_cache: PrefixCacheLoad
+    speculation: SpeculationCounts
     models: dict[str, Any] = Field(None, description="with several models: each one's load (the fields above "
                                                      "are the first's)")
 

@@ -62,7 +62,8 @@ class KVCache:
     def settle(self, position: int):
         """The sequence's next step starts at `position`: keep the verify chunk's rows before it, drop the rest."""
         mark, self.verify = self.verify, None
-        if mark is None or position - mark.start >= len(mark.rows):
+        # nothing to drop: every row kept, or a step from before the chunk (caches computed again from the start)
+        if mark is None or not 0 < position - mark.start < len(mark.rows):
             return
         kept = mark.rows[:position - mark.start]
         if self.window is None:
@@ -184,6 +185,13 @@ class DeltaNetCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
 
+    def alone(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its conv inputs and state as a stack of one sequence, [1, K-1, C] and [1, H, dk, dv] (views of what it
+        holds: a row of a decode stack stays one), for a decode step of it alone."""
+        if not (self.conv.is_contiguous() and self.state.is_contiguous()):
+            self.hold(self.conv.contiguous(), self.state.contiguous())
+        return self.conv[None], self.state[None]
+
     def begin_verify(self, start: int, step, rows: range):
         """Before a verify chunk: its state, and `step(conv [1, K-1, C], state [1, H, dk, dv], row)` that runs the
         chunk's row `row` (a row of the step's projections) on a one-sequence stack in place."""
@@ -193,13 +201,14 @@ class DeltaNetCache:
         """As KVCache.settle: back to the state at the mark, then the kept rows again (the delta rule's step only:
         the projections were kept)."""
         mark, self.verify = self.verify, None
-        if mark is None or position - mark.start >= len(mark.rows):
+        # nothing to drop: every row kept, or a step from before the chunk (caches computed again from the start)
+        if mark is None or not 0 < position - mark.start < len(mark.rows):
             return
         conv, state, step = mark.state
         self.hold(conv, state)
-        stack = DeltaNetStack.of([self])
+        conv, state = self.alone()
         for row in mark.rows[:position - mark.start]:
-            step(stack.conv, stack.state, row)
+            step(conv, state, row)
 
     def snapshot(self) -> tuple:
         """Copies of the conv inputs and the state (which may be rows of a decode stack)."""

@@ -183,9 +183,9 @@ class DeltaNet:
             if ctx.batch.verifies(i):       # row by row, as decode steps (stages/layers/cache.py)
                 step, rows = partial(self._verify_row, qkv, z, beta, alpha, y), range(rows.start, rows.stop)
                 cache.begin_verify(start, step, rows)
-                stack = DeltaNetStack.of([cache])
+                conv, state = cache.alone()
                 for row in rows:
-                    step(stack.conv, stack.state, row)
+                    step(conv, state, row)
                 continue
             if rows.stop - rows.start == 1:
                 singles.append((rows.start, cache))

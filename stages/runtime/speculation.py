@@ -24,7 +24,7 @@ METHODS = ("ngram",)
 ROWS_ALONE = 8
 MAX_DRAFTS = ROWS_ALONE - 1
 EMA = 0.2               # weight of a new measurement in the running estimates
-PROBE_EVERY = 32        # steps without drafts after which a sequence tries one again (its acceptance may have changed)
+PROBE_EVERY = 64        # steps without drafts after which a sequence tries one again (its acceptance may have changed)
 FOLLOW_CALLS = 2        # calls sent ahead (plan_ahead) in a row for a sequence that had no drafts, before it looks again
 
 
@@ -124,9 +124,9 @@ class NgramDrafter:
 class SequenceSpeculation:
     """A sequence's speculation state: its drafter's index, the acceptance estimate, steps since it last drafted."""
 
-    def __init__(self):
+    def __init__(self, acceptance: float = 0.5):
         self.index = None
-        self.acceptance = 0.5       # the chance that a draft is kept, given the ones before it were (a running estimate)
+        self.acceptance = acceptance    # the chance that a draft is kept, given the ones before it were (running)
         self.idle = 0
         self.quiet = False          # its last step had no drafts
         self.follows = 0            # calls sent ahead for it since
@@ -136,21 +136,24 @@ class Speculation:
     """The engine's speculation: the drafter, the cost of a step by its rows (measured, a running average), and
     the counts a run reports. `drafts(seq, rows)` picks how many drafts a sequence sends in a step that already
     holds `rows` decode rows: the k that maximises the tokens it expects per second, 1 + a + a^2 + ... + a^k
-    over the step's time with k more rows. A step's time is measured, never assumed: a verify step on a CPU reads
-    the experts that any of its rows routes to, so its rows cost what the model's routing makes them cost. While
-    a row count has no measurement it is taken to cost what the nearest fewer rows cost, so it gets tried."""
+    over the step's time with k more rows, a the sequence's running acceptance estimate (a new sequence starts from
+    the engine's). A step's time is measured, never assumed: a verify step on a CPU reads the experts that any of its
+    rows routes to, so its rows cost what the model's routing makes them cost. A step without drafts is measured
+    first; a row count with no measurement is taken to cost what the nearest fewer measured rows cost, so it gets
+    tried. The table and the acceptance outlive a sequence: what a first request learns, later ones start from."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.drafter = NgramDrafter(config)
         self.step_s: dict[int, float] = {}       # decode steps' seconds by their rows
+        self.acceptance = 0.5                    # over every sequence's drafts (a running estimate)
         self.drafted = self.accepted = self.verify_steps = 0
 
     def drafts(self, seq, rows: int) -> list[int]:
         """The drafts `seq` sends with its next token (none: a plain decode row)."""
         p = seq.params
         if seq.spec is None:
-            seq.spec = SequenceSpeculation()
+            seq.spec = SequenceSpeculation(self.acceptance)
         state = seq.spec
         room = min(self.config.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                    seq.context_length - seq.n_tokens - 1)
@@ -181,6 +184,8 @@ class Speculation:
 
     def length(self, acceptance: float, rows: int, most: int) -> int:
         """The draft length with the most expected tokens per second, for a row that joins `rows` others."""
+        if rows + 1 not in self.step_s:     # what a step costs without drafts: measured first
+            return 0
         best, best_rate, expected, gain = 0, 0.0, 0.0, 1.0
         for k in range(most + 1):
             if k:
@@ -209,9 +214,10 @@ class Speculation:
         self.verify_steps += 1
         # a kept draft says "agreed" once; the first rejected one "disagreed" once; those after it say nothing
         agreed, tried = accepted, accepted + (accepted < drafted)
-        state = seq.spec
         for i in range(tried):
-            state.acceptance = (1 - EMA) * state.acceptance + EMA * (1.0 if i < agreed else 0.0)
+            agree = 1.0 if i < agreed else 0.0
+            seq.spec.acceptance = (1 - EMA) * seq.spec.acceptance + EMA * agree
+            self.acceptance = (1 - EMA) * self.acceptance + EMA * agree
 
     def load(self) -> dict:
         return speculation_load(self.drafted, self.accepted, self.verify_steps)

@@ -62,10 +62,11 @@ def test_ngram_lookup_takes_the_longest_latest_match_and_continues_loops():
 
 def test_draft_length_follows_measured_costs_and_acceptance():
     spec = Speculation(NGRAM)
-    assert spec.length(0.9, 0, 4) == 4          # nothing measured yet: every length costs a step, so the longest
+    assert spec.length(0.9, 0, 4) == 0          # a step without drafts is measured first
     spec.observe(1, 0.010)
+    assert spec.length(0.9, 0, 4) == 4          # untried lengths cost what a plain step does: the longest is tried
     spec.observe(5, 0.040)                      # four drafts cost four steps (a CPU step that reads 4x the experts)
-    assert spec.length(0.5, 0, 4) in (1, 2, 3)   # untried lengths 2-4 cost what one draft's 2 rows... unknown: 1 row's
+    assert spec.length(0.5, 0, 4) == 3          # untried 2-4 rows are taken to cost what 1 row does
     spec.observe(2, 0.025)
     spec.observe(3, 0.032)
     spec.observe(4, 0.036)
