@@ -245,21 +245,14 @@ def bench_spec(folder: str, models: list[str], repeat: int, n_decode: int) -> di
                 same = r["raymoe"]["tokens"] == r["raymoe-ngram"]["tokens"]
                 print(f"  same tokens with drafts: {same}; drafts: {r['raymoe-ngram']['speculation']}")
         print(f"  raymoe ngram / raymoe:            {ratio(rounds, 'raymoe-ngram', 'raymoe')}x")
-        oracle = [r["raymoe"]["oracle_tok_s"] / r["raymoe"]["decode_tok_s"] for r in rounds
-                  if isinstance(r.get("raymoe"), dict)]
-        for r in rounds:
-            if isinstance(r.get("raymoe"), dict):
-                print(f"  right drafts: same tokens {r['raymoe']['oracle_same']}; {r['raymoe']['oracle_speculation']}")
-        print(f"  raymoe right drafts / raymoe:     {spread(oracle)}x")
-        wrong = [r["raymoe"]["wrong_tok_s"] / r["raymoe"]["decode_tok_s"] for r in rounds
-                 if isinstance(r.get("raymoe"), dict)]
-        for r in rounds:
-            if isinstance(r.get("raymoe"), dict):
-                print(f"  wrong drafts: same tokens {r['raymoe']['wrong_same']}; {r['raymoe']['wrong_speculation']}")
-        first = [r["raymoe"]["wrong_first_tok_s"] / r["raymoe"]["decode_tok_s"] for r in rounds
-                 if isinstance(r.get("raymoe"), dict)]
-        print(f"  raymoe wrong drafts / raymoe:     {spread(first)}x on the first request, {spread(wrong)}x on the "
-              f"next  (target >= 0.95)")
+        plain = [r["raymoe"] for r in rounds if isinstance(r.get("raymoe"), dict)]
+        for kind in ("oracle", "wrong"):
+            for r in plain:
+                print(f"  {kind} drafts: same tokens {r[kind + '_same']}; {r[kind + '_speculation']}")
+        print(f"  raymoe right drafts / raymoe:     {spread([r['oracle_tok_s'] / r['decode_tok_s'] for r in plain])}x")
+        print(f"  raymoe wrong drafts / raymoe:     {spread([r['wrong_first_tok_s'] / r['decode_tok_s'] for r in plain])}x "
+              f"on the first request, {spread([r['wrong_tok_s'] / r['decode_tok_s'] for r in plain])}x on the next  "
+              f"(target >= 0.95)")
         print(f"  raymoe ngram / llama.cpp lookup:  {ratio(rounds, 'raymoe-ngram', 'llama.cpp-ngram')}x  (target >= 1.2)")
         print(f"  llama.cpp lookup / llama.cpp:     {ratio(rounds, 'llama.cpp-ngram', 'llama.cpp')}x")
         print(f"  raymoe / llama.cpp (no drafts):   {ratio(rounds, 'raymoe', 'llama.cpp')}x")

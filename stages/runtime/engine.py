@@ -262,6 +262,7 @@ class EngineCore:
             self.prefix.clear()
         if self.prefill_budget is not None:
             self.prefill_budget.forget_in_flight()
+        self._planned_at.clear()
         for seq in self.sequences.values():
             seq.n_cached = seq.cached_tokens = 0
             seq.prefix_restore = None

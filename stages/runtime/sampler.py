@@ -226,7 +226,8 @@ def verify_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
             token = int(torch.argmax(adjusted))
         else:
             probs = token_probs(adjusted, p)
-            if draft is not None and uniform(accept_seed(c.seed), position) < float(probs[draft]):
+            # P(d): top-p leaves probs unnormalised
+            if draft is not None and uniform(accept_seed(c.seed), position) < float(probs[draft] / probs.sum()):
                 token = draft
             else:
                 if draft is not None:
