@@ -69,10 +69,6 @@ class SpeculativeConfig:
             raise RaymoeError("--speculative-config: prompt_lookup_min is more than prompt_lookup_max")
         return config
 
-    def as_dict(self) -> dict:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
-
 
 class NgramIndex:
     """Where each n-gram (n in [low, high]) of a sequence's tokens last occurred, kept up to date as tokens are

@@ -1,8 +1,6 @@
 """Speculative decoding (stages/runtime/speculation.py): a verify chunk's rows have the logits decode steps give
 them, the caches settle back to the kept rows, greedy outputs are those without drafts at every stage split and
 in every mode, and sampling keeps the model's distribution."""
-import json
-
 import pytest
 import torch
 
@@ -40,7 +38,7 @@ def test_bad_speculative_configs_are_refused_in_one_line(value, message):
 def test_speculative_config_reads_vllms_fields():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
     assert config == SpeculativeConfig("ngram", 5, 3, 1)
-    assert SpeculativeConfig.parse(json.dumps(config.as_dict())) == config
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}) == config
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
 
 
