@@ -71,24 +71,26 @@ class SpeculativeConfig:
 
 
 class NgramIndex:
-    """Where each n-gram (n in [low, high]) of a sequence's tokens last occurred, kept up to date as tokens are
-    added: {n-gram: the position of the token after it}."""
+    """A sequence's tokens, and where each of their n-grams (n in [low, high]) last occurred, kept up to date as
+    tokens are added: {n-gram: the position of the token after it}."""
 
     def __init__(self, low: int, high: int):
         self.low, self.high = low, high
+        self.tokens: list[int] = []
         self.seen: dict[tuple, int] = {}
-        self.indexed = 0            # tokens whose following n-grams are in `seen`
 
-    def update(self, tokens: list[int]):
-        """Index the n-grams that end before each new token (the last token has none after it yet)."""
-        for i in range(max(self.indexed, 1), len(tokens)):
+    def extend(self, new: list[int]):
+        """Add tokens; index the n-grams that end before each of them (the last token has none after it yet)."""
+        tokens, start = self.tokens, len(self.tokens)
+        tokens += new
+        for i in range(max(start, 1), len(tokens)):
             for n in range(self.low, min(self.high, i) + 1):
                 self.seen[tuple(tokens[i - n:i])] = i
-        self.indexed = max(self.indexed, len(tokens))
 
-    def follow(self, tokens: list[int], k: int) -> list[int]:
+    def follow(self, k: int) -> list[int]:
         """k tokens after the latest earlier occurrence of the tokens' last n-gram, the longest n that occurred; an
         occurrence closer than k tokens repeats what it copies (a loop of a few tokens goes on); none without one."""
+        tokens = self.tokens
         for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
             at = self.seen.get(tuple(tokens[-n:]))
             if at is not None:
@@ -112,9 +114,9 @@ class NgramDrafter:
         index = seq.spec.index
         if index is None:
             index = seq.spec.index = NgramIndex(self.low, self.high)
-        tokens = seq.prompt_ids + seq.output_ids
-        index.update(tokens)
-        return index.follow(tokens, k)
+        known = len(index.tokens)
+        index.extend(seq.token_slice(known, seq.n_tokens - known))     # only what it has not seen
+        return index.follow(k)
 
 
 class SequenceSpeculation:

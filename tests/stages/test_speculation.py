@@ -11,6 +11,7 @@ from raymoe.stages.runtime.engine import LocalEngine
 from raymoe.stages.runtime.sampler import ChunkSampling, sample_chunks, token_probs
 from raymoe.stages.runtime.speculation import (MAX_DRAFTS, PROBE_EVERY, NgramIndex, SpeculativeConfig, Speculation,
                                                SequenceSpeculation)
+from raymoe.stages.runtime.sequence import Sequence
 from raymoe.stages.runtime.stage import Stage
 from raymoe.stages.text.sampling_params import SamplingParams
 from thread_runs import full_width
@@ -45,17 +46,17 @@ def test_speculative_config_reads_vllms_fields():
 # ---- the n-gram drafter ---------------------------------------------------------------------------------------------
 def test_ngram_lookup_takes_the_longest_latest_match_and_continues_loops():
     index = NgramIndex(1, 3)
-    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
-    index.update(tokens)
-    assert index.follow(tokens, 2) == [9, 2]            # "6 7" last followed by 9 (latest occurrence)
-    tokens += [8]
-    index.update(tokens)
-    assert index.follow(tokens, 3) == [1, 6, 7]         # "6 7 8" occurred once: what followed it
-    loop = [4, 1, 2, 1, 2, 1, 2]
+    index.extend([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    assert index.follow(2) == [9, 2]            # "6 7" last followed by 9 (latest occurrence)
+    index.extend([8])
+    assert index.follow(3) == [1, 6, 7]         # "6 7 8" occurred once: what followed it
     index = NgramIndex(1, 4)
-    index.update(loop)
-    assert index.follow(loop, 5) == [1, 2, 1, 2, 1]     # a loop of two tokens goes on past its end
-    assert index.follow([3], 2) == [] and NgramIndex(2, 2).follow([1, 2], 1) == []
+    index.extend([4, 1, 2, 1, 2, 1, 2])
+    assert index.follow(5) == [1, 2, 1, 2, 1]   # a loop of two tokens goes on past its end
+    unseen, short = NgramIndex(1, 4), NgramIndex(2, 2)
+    unseen.extend([3])
+    short.extend([1, 2])
+    assert unseen.follow(2) == [] and short.follow(1) == []
 
 
 def test_draft_length_follows_measured_costs_and_acceptance():
@@ -76,16 +77,7 @@ def test_a_sequence_whose_drafts_never_pay_stops_drafting_and_probes_again():
     spec = Speculation(NGRAM)
     spec.observe(1, 0.010)
     spec.observe(2, 0.030)
-
-    class Seq:
-        params = SamplingParams(temperature=0, max_tokens=1000)
-        prompt_ids, output_ids, script, spec, context_length = [1, 2, 1, 2, 1, 2], [], None, None, 4096
-
-        @property
-        def n_tokens(self):
-            return len(self.prompt_ids) + len(self.output_ids)
-
-    seq = Seq()
+    seq = Sequence(0, "r", [1, 2, 1, 2, 1, 2], SamplingParams(temperature=0, max_tokens=1000), None, set(), 4096)
     seq.spec = SequenceSpeculation()
     seq.spec.acceptance = 0.1
     drafted = [len(spec.drafts(seq, 0)) for _ in range(2 * PROBE_EVERY)]
