@@ -228,13 +228,18 @@ def run_engine(spec: str, quick: bool) -> dict | None:
 
 
 def run_in_child(engine: str, path: str, folder: str, quick: bool) -> dict | str:
+    return run_child(["raymoe.tools.bench_real", "--engine", f"{engine}:{path}"] + (["--quick"] if quick else []), folder)
+
+
+def run_child(module_args: list[str], folder: str) -> dict | str:
+    """`python -m MODULE_ARGS` in the default environment after the full-size files of `folder` left the page cache:
+    the JSON object its output ends with, "not installed" where that is null, else what ended it (child_failure)."""
     for model in REAL_MODELS:      # the other file's pages too: they would be reclaimed during the load
         cached = os.path.join(folder, f"{model}.gguf")
         if os.path.exists(cached):
             evict_from_page_cache(cached)
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}     # the default environment
-    cmd = [sys.executable, "-m", "raymoe.tools.bench_real", "--engine", f"{engine}:{path}"] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", *module_args], capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
     result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     if result is None:

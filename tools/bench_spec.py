@@ -23,17 +23,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 from raymoe.kernels.threads import node_cores
-from raymoe.tools.bench_real import (REAL_MODELS, cpu_model, evict_from_page_cache, llama_cpp_system_info,
-                                     random_ids, read_bandwidth_gb_s, real_file)
+from raymoe.tools.bench_real import (REAL_MODELS, cpu_model, llama_cpp_system_info, random_ids,
+                                     read_bandwidth_gb_s, real_file, run_child, spread)
 
 ENGINES = ("raymoe", "raymoe-ngram", "llama.cpp", "llama.cpp-ngram")
 NGRAM = {"method": "ngram"}
@@ -200,24 +198,7 @@ def run_engine(spec: str, n_decode: int) -> dict | None:
 
 
 def run_in_child(engine: str, path: str, folder: str, n_decode: int) -> dict | str:
-    for model in REAL_MODELS:
-        cached = os.path.join(folder, f"{model}.gguf")
-        if os.path.exists(cached):
-            evict_from_page_cache(cached)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    proc = subprocess.run([sys.executable, "-m", "raymoe.tools.bench_spec", "--engine", f"{engine}:{path}",
-                           "--tokens", str(n_decode)], capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{") or line == "null"]
-    if proc.returncode or not lines:
-        return (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return json.loads(lines[-1]) or "not installed"
-
-
-def spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    med = statistics.median(values)
-    return f"{med:.2f}" if len(values) == 1 else f"{med:.2f} ({min(values):.2f}-{max(values):.2f})"
+    return run_child(["raymoe.tools.bench_spec", "--engine", f"{engine}:{path}", "--tokens", str(n_decode)], folder)
 
 
 def ratio(rounds, a: str, b: str) -> str:
