@@ -78,6 +78,8 @@ def convert(hf_dir: str, out_path: str, kind: str = "f32", progress: bool = True
         del names["output.weight"]       # tied head: llama.cpp falls back to token_embd
     for i in range(cfg.n_layers):
         names.update(family.layer_tensor_shapes(cfg, i))
+    if getattr(cfg, "mtp_layers", 0):       # the MTP head (its first layer: the one a drafter runs)
+        names.update(family.mtp_tensor_shapes(cfg))
 
     tmp = out_path + ".partial"
     writer = gguf.GGUFWriter(tmp, family.arch)

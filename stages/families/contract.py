@@ -45,9 +45,12 @@ class ModelConfig:
             raise ModelFormatError(f"{where}: expert_used_count {self.n_expert_used} > expert_count {self.n_expert}")
 
     def gguf_metadata(self) -> dict:
-        """The `<arch>.*` GGUF keys of these fields (the inverse of `fields_from_gguf`)."""
+        """The `<arch>.*` GGUF keys of these fields (the inverse of `fields_from_gguf`); an MTP head (a family
+        config's `mtp_layers`) is a block after the layers, as llama.cpp counts it."""
+        mtp = {"nextn_predict_layers": 1} if getattr(self, "mtp_layers", 0) else {}
         return {
-            "block_count": self.n_layers, "context_length": self.context_length, "embedding_length": self.hidden,
+            **mtp, "block_count": self.n_layers + len(mtp), "context_length": self.context_length,
+            "embedding_length": self.hidden,
             "feed_forward_length": self.expert_ff, "expert_feed_forward_length": self.expert_ff,
             "vocab_size": self.vocab, "attention.head_count": self.n_head, "attention.head_count_kv": self.n_kv_head,
             "attention.key_length": self.head_dim, "attention.value_length": self.head_dim,
@@ -120,12 +123,24 @@ class Family(Generic[C]):
     rope: Callable[[C], tuple[torch.Tensor, float]]
     # (config, layer) -> its feed-forward: routed experts (MoESpec) or dense (DenseFFNSpec)
     layer_ffn: Callable[[C, int], FFNSpec]
+    # config -> the attention of its multi-token prediction head (stages/layers/mtp.py); None: it has none
+    mtp_mixer: Callable[[C], MixerSpec] | None = None
 
     def layer_tensor_shapes(self, cfg: C, i: int) -> dict:
         """Every tensor of layer i with its shape in torch order (GGUF ne reversed)."""
         p = f"blk.{i}."
         return {**Block.norm_shapes(i, cfg.hidden), **self.layer_mixer(cfg, i).tensor_shapes(p, cfg.hidden),
                 **self.layer_ffn(cfg, i).tensor_shapes(p, cfg.hidden)}
+
+    def mtp_tensor_shapes(self, cfg: C) -> dict:
+        """The tensors of its MTP head, the block after the layers (`blk.{n_layers}.`), as llama.cpp names them:
+        the layer's own (full attention and the feed-forward) and `nextn.*`: `eh_proj` joins the normed token
+        embedding and hidden state, `enorm`/`hnorm` norm them, `shared_head_norm` is the norm before the LM head."""
+        i, h = cfg.n_layers, cfg.hidden
+        p = f"blk.{i}."
+        return {**Block.norm_shapes(i, h), **self.mtp_mixer(cfg).tensor_shapes(p, h),
+                **self.layer_ffn(cfg, i).tensor_shapes(p, h), p + "nextn.eh_proj.weight": (h, 2 * h),
+                p + "nextn.enorm.weight": (h,), p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)}
 
     def layer_cache_bytes(self, cfg: C, i: int, length: int | None = None, chunk: int = 512) -> int:
         """The most one sequence's cache of layer i takes: for a full context, or for a sequence never longer

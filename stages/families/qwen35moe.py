@@ -29,13 +29,14 @@ TOKENIZER_PRE = "qwen35"
 class Qwen35MoeConfig(DeltaNetConfig):
     rope_sections: list
     arch: str = ARCH
+    mtp_layers: int = 0         # multi-token prediction heads after the layers (stages/layers/mtp.py)
 
 
 def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:
     key = arch_key_reader(meta, ARCH, where)
     cfg = Qwen35MoeConfig(
         **fields_from_gguf(meta, key), **deltanet.fields_from_gguf(key),
-        n_layers=key("block_count") - key("nextn_predict_layers", 0),
+        n_layers=key("block_count") - key("nextn_predict_layers", 0), mtp_layers=key("nextn_predict_layers", 0),
         expert_ff=key("expert_feed_forward_length"), shared_ff=key("expert_shared_feed_forward_length", 0),
         rope_dim=key("rope.dimension_count"), rope_sections=list(key("rope.dimension_sections", [0, 0, 0, 0])),
         full_attention_interval=key("full_attention_interval", 4))
@@ -61,7 +62,7 @@ def config_from_hf(hf: dict, where: str) -> Qwen35MoeConfig:
         expert_ff=key("moe_intermediate_size"), shared_ff=hf.get("shared_expert_intermediate_size") or 0,
         **deltanet.fields_from_hf(key),
         full_attention_interval=deltanet.hf_full_attention_interval(hf, n_layers, where),
-        context_length=hf.get("max_position_embeddings", 32768))
+        context_length=hf.get("max_position_embeddings", 32768), mtp_layers=hf.get("mtp_num_hidden_layers") or 0)
     cfg.validate(where)
     return cfg
 
@@ -99,4 +100,5 @@ def gguf_metadata(cfg: Qwen35MoeConfig) -> dict:
 
 FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"), tokenizer_pre=TOKENIZER_PRE,
                 chat_format="qwen_xml", config_from_gguf=config_from_gguf, config_from_hf=config_from_hf,
-                gguf_metadata=gguf_metadata, hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope, layer_ffn=layer_ffn)
+                gguf_metadata=gguf_metadata, hf_weights=Qwen35MoeHFWeights, layer_mixer=layer_mixer, rope=rope,
+                layer_ffn=layer_ffn, mtp_mixer=attention_spec)

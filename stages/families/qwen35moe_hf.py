@@ -45,6 +45,11 @@ LAYER_MAP = {
     "ffn_down.weight": ("mlp.down_proj.weight", None),
 }
 GLOBAL_MAP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
+# the MTP head's own tensors (GGUF suffix under blk.{n_layers}.) -> HF name under `mtp.`; its layer is `mtp.layers.0.`
+MTP_MAP = {"nextn.eh_proj.weight": ("fc.weight", None),
+           "nextn.enorm.weight": ("pre_fc_norm_embedding.weight", "plus_one"),
+           "nextn.hnorm.weight": ("pre_fc_norm_hidden.weight", "plus_one"),
+           "nextn.shared_head_norm.weight": ("norm.weight", "plus_one")}
 EXPERT_NAMES = {"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}
 
 
@@ -62,6 +67,21 @@ class Qwen35MoeHFWeights(HFWeights):
         self.prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
         if not files.has(self.prefix + "embed_tokens.weight"):
             raise ModelFormatError(f"{files.path}: no embed_tokens tensor (not a Qwen3.5-MoE checkpoint?)")
+        # the MTP head: `mtp.*` beside the model (transformers skips it); Qwen3-Next's config does not count its layers
+        self.mtp_prefix = "model.mtp." if files.has("model.mtp.fc.weight") else "mtp."
+        layers = re.compile(re.escape(self.mtp_prefix) + r"layers\.(\d+)\.")
+        held = len({m.group(1) for m in map(layers.match, files.file_of) if m})
+        # transformers' save_pretrained drops the head while the config still counts it: what the files hold counts
+        cfg.mtp_layers = held if files.has(self.mtp_prefix + "fc.weight") else 0
+
+    def has(self, name: str) -> bool:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if m is None or int(m.group(1)) < self.cfg.n_layers:
+            return super().has(name)
+        suffix = m.group(2)
+        if suffix in MTP_MAP:
+            return self.files.has(self.mtp_prefix + MTP_MAP[suffix][0])
+        return self.files.has(self.mtp_prefix + "layers.0.input_layernorm.weight")
 
     def get(self, name: str) -> torch.Tensor:
         if name == "output.weight":
@@ -74,6 +94,11 @@ class Qwen35MoeHFWeights(HFWeights):
             raise ModelFormatError(f"{self.files.path}: no HF tensor for {name}")
         layer, suffix = int(m.group(1)), m.group(2)
         base = f"{self.prefix}layers.{layer}."
+        if layer >= self.cfg.n_layers:      # the MTP head's block
+            if suffix in MTP_MAP:
+                hf_name, transform = MTP_MAP[suffix]
+                return self._transform(self._hf(self.mtp_prefix + hf_name), transform)
+            base = f"{self.mtp_prefix}layers.{layer - self.cfg.n_layers}."
         if suffix in EXPERT_NAMES:
             return self._experts(base, suffix)
         if suffix not in LAYER_MAP:

@@ -42,6 +42,7 @@ class Qwen3NextConfig(DeltaNetConfig):
     arch: str = ARCH
     dense_layers: tuple[int, ...] = ()     # the layers with a dense feed-forward instead of experts
     dense_ff: int = 0                       # its inner width
+    mtp_layers: int = 0                     # multi-token prediction heads after the layers (stages/layers/mtp.py)
 
     POSITIVE = DeltaNetConfig.POSITIVE + ("shared_ff",)
 
@@ -61,7 +62,8 @@ def config_from_gguf(meta: dict, where: str) -> Qwen3NextConfig:
     if not isinstance(dense, list):
         raise ModelFormatError(f"{where}: metadata {ARCH}.dense_layers must be a list of layer indices")
     cfg = Qwen3NextConfig(
-        **fields_from_gguf(meta, key), **deltanet.fields_from_gguf(key), n_layers=key("block_count"),
+        **fields_from_gguf(meta, key), **deltanet.fields_from_gguf(key),
+        n_layers=key("block_count") - key("nextn_predict_layers", 0), mtp_layers=key("nextn_predict_layers", 0),
         expert_ff=key("expert_feed_forward_length"), shared_ff=key("expert_shared_feed_forward_length"),
         rope_dim=key("rope.dimension_count"), full_attention_interval=key("full_attention_interval", 4),
         dense_layers=tuple(dense), dense_ff=key("dense_feed_forward_length", 0))
@@ -94,7 +96,7 @@ def config_from_hf(hf: dict, where: str) -> Qwen3NextConfig:
         shared_ff=key("shared_expert_intermediate_size"), **deltanet.fields_from_hf(key),
         full_attention_interval=deltanet.hf_full_attention_interval(hf, n_layers, where),
         dense_layers=dense, dense_ff=key("intermediate_size") if dense else 0,
-        context_length=hf.get("max_position_embeddings", 32768))
+        context_length=hf.get("max_position_embeddings", 32768), mtp_layers=hf.get("mtp_num_hidden_layers") or 0)
     cfg.validate(where)
     return cfg
 
@@ -115,11 +117,13 @@ def deltanet_spec(cfg: Qwen3NextConfig) -> DeltaNetSpec:
     return DeltaNetSpec(cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv_kernel, grouped=True)
 
 
+def attention_spec(cfg: Qwen3NextConfig) -> AttentionSpec:
+    return AttentionSpec(cfg.n_head, cfg.n_kv_head, cfg.head_dim, qk_norm=True, output_gate=True)
+
+
 def layer_mixer(cfg: Qwen3NextConfig, i: int):
     """Every `full_attention_interval`-th layer gated attention, the others Gated DeltaNet."""
-    if (i + 1) % cfg.full_attention_interval == 0:
-        return AttentionSpec(cfg.n_head, cfg.n_kv_head, cfg.head_dim, qk_norm=True, output_gate=True)
-    return deltanet_spec(cfg)
+    return attention_spec(cfg) if (i + 1) % cfg.full_attention_interval == 0 else deltanet_spec(cfg)
 
 
 def rope(cfg: Qwen3NextConfig):
@@ -142,4 +146,5 @@ def gguf_metadata(cfg: Qwen3NextConfig) -> dict:
 
 FAMILY = Family(arch=ARCH, hf_model_types=("qwen3_next",), tokenizer_pre=TOKENIZER_PRE, chat_format="hermes",
                 config_from_gguf=config_from_gguf, config_from_hf=config_from_hf, gguf_metadata=gguf_metadata,
-                hf_weights=Qwen3NextHFWeights, layer_mixer=layer_mixer, rope=rope, layer_ffn=layer_ffn)
+                hf_weights=Qwen3NextHFWeights, layer_mixer=layer_mixer, rope=rope, layer_ffn=layer_ffn,
+                mtp_mixer=attention_spec)

@@ -177,6 +177,51 @@ class ModelFiles:
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {list(got)}, expected {list(expected)}")
 
 
+def open_mtp_head(model: ModelFiles, path: str | None = None) -> ModelFiles:
+    """The files that hold `model`'s MTP head (stages/runtime/mtp.py): its own (the head in the model's file or
+    checkpoint), or a separate GGUF at `path` as llama.cpp's converter writes it with `--mtp` (the head's block
+    and the shared tensors, the model's metadata). Refused in one line where there is none or it does not fit."""
+    family, cfg = model.family, model.config
+    if family.mtp_mixer is None:
+        raise ModelFormatError(f"{model.path}: {family.arch} models have no MTP head (use the ngram method)")
+    if path is None:
+        head = model
+    else:
+        if not os.path.isfile(path):
+            raise ModelFormatError(f"{path}: no such file (the MTP head's GGUF)")
+        gguf = GGUFFile(path)
+        if gguf.architecture != family.arch:
+            raise ModelFormatError(f"{path}: a {gguf.architecture} file, not the {family.arch} model's MTP head")
+        head = ModelFiles(path=path, family=family, config=family.config_from_gguf(gguf.metadata, path), source=gguf,
+                          tokenizer=model.tokenizer)
+        theirs = head.config
+        if (theirs.n_layers, theirs.hidden, theirs.vocab) != (cfg.n_layers, cfg.hidden, cfg.vocab):
+            raise ModelFormatError(f"{path}: its MTP head is for a model of {theirs.n_layers} layers, hidden "
+                                   f"{theirs.hidden}, vocabulary {theirs.vocab}; {model.path} has {cfg.n_layers}, "
+                                   f"{cfg.hidden}, {cfg.vocab}")
+        head.config.context_length = cfg.context_length
+    shapes = family.mtp_tensor_shapes(head.config)
+    optional = f"blk.{cfg.n_layers}.nextn.shared_head_norm.weight"
+    if not head.config.mtp_layers or not head.source.has(f"blk.{cfg.n_layers}.nextn.eh_proj.weight"):
+        raise ModelFormatError(f"{head.path}: no MTP head (no nextn_predict_layers and blk.{cfg.n_layers}.nextn.* "
+                               f"tensors in a GGUF, no mtp.* tensors in a checkpoint); use the ngram method, or a "
+                               f"GGUF of the head as the speculative config's \"model\"")
+    for name, shape in shapes.items():
+        if not head.source.has(name):
+            if name == optional:
+                continue
+            raise ModelFormatError(f"{head.path}: its MTP head has no tensor {name}")
+        stored = head.source.shape(name)
+        if stored is not None:
+            head._check_shape(name, stored, shape)
+    return head
+
+
+def mtp_shapes(head: ModelFiles) -> dict:
+    """The tensors of the head that its files hold (the head's own output norm may be missing)."""
+    return {n: s for n, s in head.family.mtp_tensor_shapes(head.config).items() if head.source.has(n)}
+
+
 def _stored_shape(data: torch.Tensor, ggml_type: int) -> tuple:
     """The shape (torch order) of the values that bytes [..., rows, bytes per row] of a GGML type hold."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

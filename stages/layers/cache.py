@@ -80,6 +80,13 @@ class KVCache:
             self.extend(k, v, pos)
             self.trim()
 
+    def truncate(self, position: int):
+        """Keep the rows of positions before `position` (a full layer's rows are in position order)."""
+        if self.k is not None:
+            length = int((self.pos[:self.length] < position).sum())
+            self.pos[length:self.length] = EMPTY_POSITION
+            self.length = length
+
     def reserve(self, n: int, head_shape, dtype, device):
         """Room for n more positions, left for the caller to fill: returns every key, value and position
         held, the last n rows the new ones (a decode step writes them in its traced part)."""

@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 from raymoe.stages.runtime.batch import StepBatch
-from raymoe.stages.files.loader import ModelFiles
+from raymoe.stages.files.loader import ModelFiles, open_mtp_head
 from raymoe.stages.prefix.cache import PrefixCache
 from raymoe.stages.text.requests import check_prompt
 from raymoe.stages.text.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ class EngineCore:
         """Decoding sequences send drafts with their tokens (speculative decoding, stages/runtime/speculation.py)."""
         self.speculation = None if config is None else Speculation(config)
         for scheduler in self.groups:
-            scheduler.drafts = None if config is None else self.speculation.drafts
+            scheduler.speculation = self.speculation
 
     def use_prefix_cache(self, model, budget: int, mode: str):
         """A prefix cache of `budget` bytes over all stages (0: none), in blocks of the schedulers' grid."""
@@ -226,9 +226,11 @@ class EngineCore:
                 if isinstance(result, str):     # its sampling failed; the last stage logged the traceback
                     seq.error = f"internal error: {result}"
                 else:
-                    seq.record(c.length, *result)
+                    seq.record(c.length, *result[:3])
                     if c.drafts:
                         self.speculation.verified(seq, c.drafts, len(result[0]) - 1)
+                    if len(result) > 3:     # an MTP head's drafts after its token (stages/runtime/mtp.py)
+                        self.speculation.proposed(seq, result[3])
             except Exception as e:     # a bug or bad numbers in this sequence: it alone fails
                 log.exception("sequence %s (request %r) failed", seq.seq_id, seq.request_id)
                 seq.error = f"internal error: {type(e).__name__}: {e}"
@@ -279,7 +281,8 @@ class LocalEngine(EngineCore):
         self.use_prefix_cache(model, prefix_cache_bytes, mode)
         self.use_speculation(speculation)
         self.model = model
-        self.stages = [Stage(model, r, mode, device=device) for r in split_layers(model.n_layers, n_stages)]
+        mtp = open_mtp_head(model, speculation.model) if speculation and speculation.method == "mtp" else None
+        self.stages = [Stage(model, r, mode, device=device, mtp=mtp) for r in split_layers(model.n_layers, n_stages)]
 
     def step(self) -> list[Sequence]:
         """Run the next batch through every stage; returns the sequences that finished."""

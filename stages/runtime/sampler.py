@@ -152,6 +152,9 @@ class ChunkSampling:
     # a verify chunk (speculative decoding): the drafts that follow the tip's token, their logits the rows after
     # the tip's; the result holds the drafts the model keeps and one token of its own (verify_chunk)
     drafts: list[int] | None = None
+    # drafts the last stage's MTP head proposes after this chunk's token (stages/runtime/mtp.py); they come back
+    # as a fourth item of the chunk's result
+    mtp: int = 0
 
 
 def sample_chunks(logits: torch.Tensor, chunks: list[ChunkSampling], matchers=None) -> list:

@@ -30,8 +30,9 @@ class Scheduler:
         self.grid = min(max_batch_tokens, prefill_chunk)
         self.running: list[Sequence] = []
         # speculative decoding (stages/runtime/speculation.py Speculation): drafts(seq, rows) gives the drafts a
-        # decoding sequence sends with its token, in a step that holds `rows` decode rows before it
-        self.drafts = None
+        # decoding sequence sends with its token, in a step that holds `rows` decode rows before it; asks(seq, rows)
+        # how many an MTP head drafts after the token the step samples
+        self.speculation = None
 
     def decoding(self) -> bool:
         return any(not s.prefilling for s in self.running)
@@ -52,8 +53,8 @@ class Scheduler:
             start, n = seq.next_chunk(limit, self.grid)
             tokens = seq.token_slice(start, n)
             drafts = []
-            if self.drafts is not None and not seq.prefilling and not seq.cancelled and spare > 0:
-                drafts = self.drafts(seq, ROWS_ALONE - spare - 1)[:min(spare, budget - n)]
+            if self.speculation is not None and not seq.prefilling and not seq.cancelled and spare > 0:
+                drafts = self.speculation.drafts(seq, ROWS_ALONE - spare - 1)[:min(spare, budget - n)]
                 spare -= len(drafts)
             chosen.append((seq, start, tokens + drafts, len(drafts)))
             budget -= n + len(drafts)
@@ -68,6 +69,8 @@ class Scheduler:
                 c, rows = seq.verify_sampling(tokens[1:], len(logit_rows)), list(range(row, row + n))
             else:
                 c, rows = seq.sampling(start, n, row, len(logit_rows))
+            if self.speculation is not None and c.tip is not None and not seq.cancelled:
+                c.mtp = self.speculation.asks(seq, min(sum(d is not seq for d in decoders), ROWS_ALONE - 1))
             logit_rows.extend(rows)
             plan.append(PlannedChunk(seq, start, n, drafts))
             sampling.append(c)

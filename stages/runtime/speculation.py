@@ -7,9 +7,10 @@ after another as k + 1 decode steps would (the same bits). The last stage keeps 
 with and one token of its own (stages/runtime/sampler.py); the stages drop what the rejected rows left in
 their caches at the sequence's next step (stages/layers/cache.py).
 
-A drafter proposes tokens from what a sequence holds: `NgramDrafter` looks its last tokens up earlier in its
-prompt and output (prompt lookup). Another drafter plugs in with the same method, `propose(seq, k)`: a draft
-model or an MTP / EAGLE head would run its own small forward there.
+A drafter proposes tokens from what a sequence holds, `propose(seq, k)`: `NgramDrafter` looks its last tokens
+up earlier in its prompt and output (prompt lookup); `MtpDrafter` hands out what the model's MTP head drafted on
+the last stage right after it sampled the sequence's last token (stages/runtime/mtp.py), asked for with that
+step (`asks`). A draft model or an EAGLE head would plug in the same way.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from raymoe.stages.errors import RaymoeError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 # a step's decode and verify rows, at most: up to 8 rows the products compute each row as it would alone
 # (docs/merged-steps.md), so a verify chunk's rows get the bits of the decode steps they stand for
 ROWS_ALONE = 8
@@ -31,11 +32,13 @@ FOLLOW_CALLS = 2        # calls sent ahead (plan_ahead) in a row for a sequence 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config`, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m}."""
+    "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"method": "mtp", "num_speculative_tokens": k} with the
+    model's own MTP head, or a GGUF of the head as llama.cpp's converter writes it with --mtp ("model": path)."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -51,17 +54,22 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise RaymoeError("--speculative-config: expected a JSON object such as "
                               '{"method": "ngram", "num_speculative_tokens": 3}')
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
-        if unknown:
-            raise RaymoeError(f"--speculative-config: unknown field {unknown[0]!r}")
         method = value.get("method", "ngram")
         if method not in METHODS:
             raise RaymoeError(f"--speculative-config: method {method!r} is not supported (choose {', '.join(METHODS)})")
-        fields = {k: v for k, v in value.items() if k != "method"}
+        known = {"method", "num_speculative_tokens"} | ({"model"} if method == "mtp" else
+                                                        {"prompt_lookup_max", "prompt_lookup_min"})
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise RaymoeError(f"--speculative-config: unknown field {unknown[0]!r} for method {method!r}")
+        model = value.get("model")
+        if model is not None and not (isinstance(model, str) and model):
+            raise RaymoeError(f"--speculative-config: model must be the path of the MTP head's GGUF, not {model!r}")
+        fields = {k: v for k, v in value.items() if k not in ("method", "model")}
         for name, v in fields.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise RaymoeError(f"--speculative-config: {name} must be a positive integer, not {v!r}")
-        config = cls(method=method, **fields)
+        config = cls(method=method, model=model, **fields)
         if config.num_speculative_tokens > MAX_DRAFTS:
             raise RaymoeError(f"--speculative-config: num_speculative_tokens {config.num_speculative_tokens} is "
                               f"more than {MAX_DRAFTS}")
@@ -119,11 +127,22 @@ class NgramDrafter:
         return index.follow(k)
 
 
+class MtpDrafter:
+    """The drafts the model's MTP head made on the last stage after the sequence's last token (stages/runtime/mtp.py),
+    when the step that sampled it asked for them (Speculation.asks)."""
+
+    def propose(self, seq, k: int) -> list[int]:
+        state = seq.spec
+        return state.proposed[:k] if state.proposed_at == seq.n_tokens else []
+
+
 class SequenceSpeculation:
     """A sequence's speculation state: its drafter's index, the acceptance estimate, steps since it last drafted."""
 
     def __init__(self, acceptance: float = 0.5):
         self.index = None
+        self.proposed: list[int] = []       # an MTP head's drafts, after its token number proposed_at
+        self.proposed_at = -1
         self.acceptance = acceptance    # the chance that a draft is kept, given the ones before it were (running)
         self.idle = 0
         self.quiet = False          # its last step had no drafts
@@ -142,20 +161,29 @@ class Speculation:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.drafter = NgramDrafter(config)
+        self.drafter = MtpDrafter() if config.method == "mtp" else NgramDrafter(config)
         self.step_s: dict[int, float] = {}       # decode steps' seconds by their rows
         self.acceptance = 0.5                    # over every sequence's drafts (a running estimate)
         self.drafted = self.accepted = self.verify_steps = 0
 
-    def drafts(self, seq, rows: int) -> list[int]:
-        """The drafts `seq` sends with its next token (none: a plain decode row)."""
-        p = seq.params
+    def _state(self, seq) -> SequenceSpeculation:
         if seq.spec is None:
             seq.spec = SequenceSpeculation(self.acceptance)
-        state = seq.spec
-        room = min(self.config.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                   seq.context_length - seq.n_tokens - 1)
-        if room < 1 or p.needs_history or seq.script is not None:
+        return seq.spec
+
+    def _room(self, seq, later: int = 0) -> int:
+        """The most drafts the sequence may send with its next token, or with the one `later` tokens after (0:
+        none, as its sampling needs its history)."""
+        p = seq.params
+        if p.needs_history or seq.script is not None:
+            return 0
+        return min(self.config.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1 - later,
+                   seq.context_length - seq.n_tokens - 1 - later)
+
+    def drafts(self, seq, rows: int) -> list[int]:
+        """The drafts `seq` sends with its next token (none: a plain decode row)."""
+        state, room = self._state(seq), self._room(seq)
+        if room < 1:
             return []
         state.follows = 0
         k = self.length(state.acceptance, rows, room)
@@ -169,6 +197,22 @@ class Speculation:
         drafts = self.drafter.propose(seq, k)
         state.quiet = not drafts
         return drafts
+
+    def asks(self, seq, rows: int) -> int:
+        """With an MTP head: how many drafts the last stage makes after the token the step now planned samples for
+        `seq`, for its next step (0: none, which costs nothing), as `drafts` would choose them now."""
+        if self.config.method != "mtp":
+            return 0
+        state, room = self._state(seq), self._room(seq, later=1)
+        if room < 1:
+            return 0
+        k = self.length(state.acceptance, rows, room)
+        return k if k or state.idle + 1 < PROBE_EVERY else 1
+
+    def proposed(self, seq, drafts: list[int]):
+        """The MTP head's drafts after the sequence's last token (a chunk's result brought them)."""
+        state = self._state(seq)
+        state.proposed, state.proposed_at = drafts, seq.n_tokens
 
     def may_follow(self, seq) -> bool:
         """Whether a step may be sent ahead for `seq` (stages/runtime/engine.py plan_ahead), before its token is back:

@@ -17,8 +17,10 @@ from raymoe.kernels.weights import Loading, cat_weights
 
 from raymoe.stages.runtime import decode_graph
 from raymoe.stages.runtime.batch import StepBatch, StepContext
+from raymoe.stages.runtime.mtp import MtpHead
 from raymoe.stages.errors import ModelFormatError
-from raymoe.stages.files.loader import MODES, ModelFiles, mode_device_error
+from raymoe.stages.families.contract import global_tensor_shapes
+from raymoe.stages.files.loader import MODES, ModelFiles, mode_device_error, mtp_shapes
 from raymoe.stages.prefix.store import PrefixStore
 from raymoe.stages.runtime.sampler import sample_chunks
 from raymoe.stages.text.structured import Matchers
@@ -96,10 +98,11 @@ class StageWeights:
 
 class Stage:
     def __init__(self, model: ModelFiles, layers: range, mode: str = "auto", remote_experts=None, progress=None,
-                 device: str = "cpu"):
+                 device: str = "cpu", mtp: ModelFiles | None = None):
         """mode: a key of stages.files.loader.MODES. remote_experts(layer, x, ids) -> (slots, rows), when routed
         experts live in expert actors. progress(bytes) is called as weights are read. device: where the
-        weights, caches and activations live ("cpu", or "cuda" for the GPU this process sees)."""
+        weights, caches and activations live ("cpu", or "cuda" for the GPU this process sees). mtp: the files
+        of the model's MTP head (stages.files.loader.open_mtp_head), which the last stage runs to draft tokens."""
         if mode not in MODES:
             raise ValueError(f"unknown --dtype {mode!r} (choose from {', '.join(MODES)})")
         self.device = check_device(device, mode)
@@ -109,6 +112,10 @@ class Stage:
         self.last = layers.stop == model.n_layers
         self.mode = mode
         shapes = model.expected_shapes(layers, self.first, self.last)
+        mtp = mtp if self.last else None
+        if mtp is not None:         # the head embeds the tokens it drafts from
+            shapes.setdefault("token_embd.weight", global_tensor_shapes(model.config)["token_embd.weight"])
+        self.mtp = self.mtp_weights = None
         with loading_threads(mode):
             w = self.weights = StageWeights(model, shapes, mode, progress, device)
             self.embed = w.matrix("token_embd.weight") if "token_embd.weight" in shapes else None
@@ -116,6 +123,10 @@ class Stage:
             if self.last:
                 self.norm = w("output_norm.weight")
                 self.head = w.matrix("output.weight") if "output.weight" in shapes else self.embed
+            if mtp is not None:
+                self.mtp_weights = StageWeights(mtp, mtp_shapes(mtp), mode, device=device)
+                self.mtp = MtpHead(model.family, mtp.config, self.mtp_weights, self.embed, self.head, self.norm)
+                self.mtp_weights.finish()
             w.finish()
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -137,7 +148,7 @@ class Stage:
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this stage holds (what it loaded, nothing of other stages)."""
-        return self.weights.nbytes
+        return self.weights.nbytes + (self.mtp_weights.nbytes if self.mtp_weights is not None else 0)
 
     def _new_caches(self) -> dict:
         return {layer.index: layer.new_cache() for layer in self.layers}
@@ -155,9 +166,12 @@ class Stage:
         self.prefix.clear()
         if self.matchers is not None:
             self.matchers.clear()
+        if self.mtp is not None:
+            self.mtp.states.clear()
 
     def cache_bytes(self) -> int:
-        return sum(c.nbytes() for caches in self.caches.values() for c in caches.values())
+        mtp = self.mtp.cache_bytes() if self.mtp is not None else 0
+        return mtp + sum(c.nbytes() for caches in self.caches.values() for c in caches.values())
 
     def release(self, seq_id: int):
         self.caches.pop(seq_id, None)
@@ -167,6 +181,8 @@ class Stage:
             self.link.forget(seq_id)
         if self.matchers is not None:
             self.matchers.release(seq_id)
+        if self.mtp is not None:
+            self.mtp.release(seq_id)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,11 +270,14 @@ class Stage:
             if not self.last:
                 return x
             rows = batch.logit_rows       # decode: every row, with no index to copy to a GPU (which waits for it)
-            x = rms_norm(take_rows(x, rows), self.norm, self.config.rms_eps)
-            logits = linear(x, self.head).float()
+            logits = linear(rms_norm(take_rows(x, rows), self.norm, self.config.rms_eps), self.head).float()
         if batch.sampling is None:
             return logits.cpu()
         results = sample_chunks(logits, batch.sampling, self.matchers)
+        if self.mtp is not None:    # the head follows the sequences and drafts where asked: a fourth item
+            with torch_threads_for(batch.n_tokens):
+                drafts = self.mtp.step(batch, rms_norm(x, self.norm, self.config.rms_eps), results)
+            results = [r if d is None else (*r, d) for r, d in zip(results, drafts)]
         # the next step may be planned before these tokens reach the coordinator: the stage that embeds it keeps them
         if self.first:      # None for a failed sampling: a follow step stops there
             for c, start, n, result in zip(batch.sampling, batch.start_pos, batch.lengths, results):

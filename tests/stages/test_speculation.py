@@ -23,7 +23,10 @@ NGRAM = SpeculativeConfig(num_speculative_tokens=4)
 @pytest.mark.parametrize("value, message", [
     ("{", "not JSON"),
     ("[1]", "expected a JSON object"),
-    ('{"method": "mtp"}', "method 'mtp' is not supported"),
+    ('{"method": "eagle"}', "method 'eagle' is not supported"),
+    ('{"method": "mtp", "prompt_lookup_max": 3}', "unknown field 'prompt_lookup_max' for method 'mtp'"),
+    ('{"method": "mtp", "model": 3}', "model must be the path"),
+    ('{"model": "x.gguf"}', "unknown field 'model' for method 'ngram'"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
     ('{"num_speculative_tokens": true}', "must be a positive integer"),
     ('{"num_speculative_tokens": 99}', f"more than {MAX_DRAFTS}"),
