@@ -113,7 +113,8 @@ class StageActor:
         args = self.args
         torch.set_num_threads(args.threads or self.cores)
         model = open_model(args.model, args.max_model_len)
-        need = stage_need(model, self.layers, args.dtype, args.step_chunk)
+        mtp = args.mtp_head(model) if self.layers.stop == model.n_layers else None
+        need = stage_need(model, self.layers, args.dtype, args.step_chunk, mtp)
         ranges = split_layers(model.n_layers, args.pp, args.split)
         need.prefix_bytes = prefix_shares(model, ranges, args.step_chunk,
                                           int((args.prefix_cache_gb or 0) * GiB))[ranges.index(self.layers)]
@@ -123,7 +124,7 @@ class StageActor:
         self.loaded = (0, total)
         remote = ExpertClient(self.expert_actors) if self.expert_actors else None
         self.stage = Stage(model, self.layers, args.dtype, remote_experts=remote, device=args.device,
-                           progress=lambda done: setattr(self, "loaded", (done, total)))
+                           progress=lambda done: setattr(self, "loaded", (done, total)), mtp=mtp)
         self.hidden_size = model.config.hidden
         return os.getpid()
 

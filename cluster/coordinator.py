@@ -74,7 +74,8 @@ class Coordinator:
                                args.prefill_chunk, args.max_running,
                                args.itl_target_ms / 1000 if args.itl_target_ms else None)
         if spec.cache_budget is not None:
-            self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk)
+            self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk,
+                                                 mtp=args.mtp_head(model) is not None)
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
         self.core.use_prefix_cache(model, int((args.prefix_cache_gb or 0) * GiB), args.dtype)
         self.core.use_speculation(SpeculativeConfig.parse(args.speculative_config))

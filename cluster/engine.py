@@ -106,7 +106,8 @@ def plan_memory(files, spec: PipelineSpec):
         spec.args = dataclasses.replace(args, max_running=args.max_running or DEFAULT_MAX_RUNNING,
                                         prefix_cache_gb=prefix)
         return
-    needs = [stage_need(files, r, args.dtype, args.step_chunk) for r in spec.ranges()]
+    mtp = args.mtp_head(files)
+    needs = [stage_need(files, r, args.dtype, args.step_chunk, mtp) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")] or [0]
 
     def reserve_prefix(gb: float):
@@ -187,6 +188,7 @@ def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineS
     the Ray cluster (joined, or started here), GPUs counted, memory planned (plan_memory)."""
     args.validate(files.n_layers, files.config.n_expert)
     files.check_tensors()
+    args.mtp_head(files)        # a model without the head the flags ask for fails here
     spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=name)
     connect_ray(args.pp * (1 + args.ep))
     if args.device == "cuda":

@@ -16,7 +16,8 @@ from raymoe.stages.text.chat import check_template_kwargs, load_chat_template
 from raymoe.stages.runtime.engine import split_layers
 from raymoe.stages.runtime.speculation import SpeculativeConfig
 from raymoe.stages.errors import RaymoeError, RequestError
-from raymoe.stages.files.loader import DEFAULT_MAX_MODEL_LEN, MODES, mode_device_error, resolve_model_path
+from raymoe.stages.files.loader import (DEFAULT_MAX_MODEL_LEN, MODES, ModelFiles, mode_device_error, open_mtp_head,
+                                        resolve_model_path)
 
 DEVICES = ("cpu", "cuda")
 TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "shm")      # how activations move (cluster/pipeline.py)
@@ -132,12 +133,23 @@ class EngineArgs:
         if n_experts is not None and self.ep and n_experts % self.ep:
             fail("ep", f"{self.ep} must divide the model's {n_experts} experts")
 
+    def mtp_head(self, files: ModelFiles) -> ModelFiles | None:
+        """The files of the MTP head the last stage runs (speculative method mtp), or None; refused in one line
+        where the model has none."""
+        config = SpeculativeConfig.parse(self.speculative_config)
+        if config is None or config.method != "mtp":
+            return None
+        return open_mtp_head(files, config.model)
+
     def resolved(self) -> EngineArgs:
         """Validated, with what the defaults stand for filled in: the model's absolute path (for actors
         anywhere) and the micro-batch groups."""
         self.validate()
+        speculative = self.speculative_config
+        if speculative and speculative.get("model"):        # the MTP head's own file, for actors anywhere too
+            speculative = {**speculative, "model": os.path.abspath(speculative["model"])}
         return dataclasses.replace(self.engine_args(), model=os.path.abspath(resolve_model_path(self.model)),
-                                   microbatches=self.microbatches or self.pp,
+                                   microbatches=self.microbatches or self.pp, speculative_config=speculative,
                                    chat_template=load_chat_template(self.chat_template))
 
     def configure_chat(self, tokenizer):
@@ -217,7 +229,9 @@ FLAGS = {
                                     '"num_speculative_tokens": 3}\' (also prompt_lookup_max, default 4, and '
                                     "prompt_lookup_min, default 1): each decoding sequence sends the tokens that "
                                     "followed its last n tokens earlier in its text, and one step checks them all; "
-                                    "greedy outputs stay the same (docs/speculative-decoding.md; default: off)"),
+                                    '\'{"method": "mtp"}\' drafts with the model\'s MTP head (Qwen3.5, Qwen3-Next; '
+                                    '"model": a GGUF of the head alone). Greedy outputs stay the same '
+                                    "(docs/speculative-decoding.md; default: off)"),
 }
 
 

@@ -7,7 +7,7 @@ import os
 FOLDER = os.path.dirname(os.path.abspath(__file__))
 
 EMBEDDED = {
-    "tiny-qwen35moe": ("tiny-qwen35moe.gguf", "c3d873e22dcca4f08dbe8c913a22e00e80e1990b2e3c2b21d5874e080872842a"),
+    "tiny-qwen35moe": ("tiny-qwen35moe.gguf", "6a8dc0f4a1430530ac217a05e907ddea99220477cd1bcf61fa6398715e6993e3"),
     "tiny-gptoss": ("tiny-gptoss.gguf", "666b141bb616144fe31be8f54589d9dc8d07b0d31a6ec1b2e494cb8aef18e748"),
 }
 

@@ -33,6 +33,8 @@ SEQ_LEN = 128
 BATCH = 8
 STEPS = {"qwen35moe": 1200, "gptoss": 1200}
 LR = {"qwen35moe": 3e-3, "gptoss": 3e-3}
+MTP_STEPS = 600             # the qwen35moe model's MTP head, trained after it on the same stream
+MTP_LR = 3e-3
 THREADS = 2
 SEED = 0
 
@@ -191,6 +193,80 @@ def train(model, stream: torch.Tensor, steps: int, lr: float, log) -> None:
     model.eval()
 
 
+def train_mtp(model, stream: torch.Tensor, steps: int, lr: float, log):
+    """The MTP head (tools/mtp_head.py) of the trained model, the model frozen: at each position it learns the token
+    after next from the model's final hidden state there and the next token's embedding. AdamW on seeded windows as
+    in train(). Returns the head."""
+    from raymoe.tools.mtp_head import HFMtpHead, model_hidden
+
+    torch.manual_seed(SEED)
+    head = HFMtpHead(model).float()
+    head.apply(model._init_weights)         # transformers' own initialisation (expert weights start empty)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(SEED + 1)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup
+        else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    positions = torch.arange(1, SEQ_LEN)[None].expand(BATCH, -1)
+    start, avg = time.time(), None
+    head.train()
+    for step in range(steps):
+        offsets = torch.randint(0, len(stream) - SEQ_LEN - 1, (BATCH,), generator=g)
+        ids = torch.stack([stream[o:o + SEQ_LEN] for o in offsets.tolist()])
+        with torch.no_grad():
+            hidden = model_hidden(model, ids)
+        # row p joins the hidden state at p with token p + 1 and predicts token p + 2
+        states = head(ids[:, 1:], hidden[:, :-1], positions)
+        logits = head.logits(states[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 2:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"mtp step {step}/{steps} loss {avg:.3f} ({time.time() - start:.0f} s)")
+    head.eval()
+    return head
+
+
+def mtp_accuracy(head, chunks: list[list[int]]) -> float:
+    """How often the head's argmax is the held-out token after next (the model's own hidden states before it)."""
+    from raymoe.tools.mtp_head import model_hidden
+
+    right = total = 0
+    with torch.no_grad():
+        for i in range(0, len(chunks), 32):
+            ids = torch.tensor(chunks[i:i + 32])
+            hidden = model_hidden(head.trunk[0], ids)
+            positions = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
+            best = head.logits(head(ids[:, 1:], hidden[:, :-1], positions)[:, :-1]).argmax(-1)
+            right += (best == ids[:, 2:]).sum().item()
+            total += best.numel()
+    return right / total
+
+
+def raymoe_mtp_acceptance(gguf_path: str, tokenizer) -> dict:
+    """raymoe's speculation counts when it decodes the PROMPTS greedily with the head's drafts (two a step)."""
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.runtime.speculation import SpeculativeConfig, speculation_load
+    from raymoe.stages.text.sampling_params import SamplingParams
+
+    engine = LocalEngine(open_model(gguf_path), mode="float32",
+                         speculation=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    engine.speculation.length = lambda acceptance, rows, most: most    # measure the head, not the cost model
+    seqs = [engine.add_request(p, tokenizer.encode(p).ids, SamplingParams(max_tokens=64, temperature=0))
+            for p in PROMPTS]
+    engine.run_until_done()
+    return speculation_load(sum(s.draft_tokens for s in seqs), sum(s.accepted_tokens for s in seqs),
+                            sum(s.verify_steps for s in seqs))
+
+
 def eval_chunks(stream: torch.Tensor) -> list[list[int]]:
     """The held-out stream cut into SEQ_LEN-token chunks, each scored on its own."""
     n = len(stream) // SEQ_LEN
@@ -225,14 +301,21 @@ def raymoe_perplexity(gguf_path: str, chunks: list[list[int]]) -> float:
 
 # --- export --------------------------------------------------------------------------------------------
 
-def save_hf(model, family: str, hf_dir: str) -> None:
-    """The HF checkpoint deploy.convert reads. gpt-oss experts are written as MXFP4 blocks and scales, as
-    the released checkpoints hold them, and the model's own experts are set to the dequantised values, so
-    that it computes what the file holds."""
-    from safetensors.torch import save_file
+def save_hf(model, family: str, hf_dir: str, mtp=None) -> None:
+    """The HF checkpoint deploy.convert reads, with the MTP head (`mtp`) as `mtp.*` tensors as Qwen's checkpoints
+    hold it. gpt-oss experts are written as MXFP4 blocks and scales, as the released checkpoints hold them, and the
+    model's own experts are set to the dequantised values, so that it computes what the file holds."""
+    from safetensors.torch import load_file, save_file
 
     if family == "qwen35moe":
         model.save_pretrained(hf_dir)
+        if mtp is not None:
+            path = os.path.join(hf_dir, "model.safetensors")
+            save_file({**load_file(path), **mtp.hf_tensors()}, path, metadata={"format": "pt"})
+            with open(os.path.join(hf_dir, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(hf_dir, "config.json"), "w") as f:
+                json.dump({**config, "mtp_num_hidden_layers": 1}, f, indent=2)
         return
     tensors = {}
     with torch.no_grad():
@@ -285,13 +368,22 @@ def run_family(family: str, train_paras, held_out, out_dir: str, work: str, step
     start = time.time()
     train(model, train_stream, steps, lr, log)
     train_s = time.time() - start
-    save_hf(model, family, hf_dir)
     chunks = eval_chunks(held_stream)
+    mtp = None
+    if family == "qwen35moe":
+        start = time.time()
+        mtp = train_mtp(model, train_stream, min(MTP_STEPS, steps), MTP_LR, log)
+        mtp_s = time.time() - start
+    save_hf(model, family, hf_dir, mtp)
     result = {"family": family, "train_seconds": round(train_s), "steps": steps,
               "train_tokens": len(train_stream), "held_out_tokens": len(held_stream),
               "held_out_perplexity_hf": round(hf_perplexity(model, chunks), 3)}
     gguf_path = convert(hf_dir, os.path.join(out_dir, f"tiny-{family}.gguf"), "f32", progress=False)
     result["held_out_perplexity_raymoe"] = round(raymoe_perplexity(gguf_path, chunks), 3)
+    if mtp is not None:
+        result.update(mtp_train_seconds=round(mtp_s), mtp_steps=min(MTP_STEPS, steps),
+                      mtp_held_out_accuracy=round(mtp_accuracy(mtp, chunks), 4),
+                      mtp_raymoe_speculation=raymoe_mtp_acceptance(gguf_path, tokenizer))
     with open(gguf_path, "rb") as f:
         result["sha256"] = hashlib.sha256(f.read()).hexdigest()
     result["gguf_bytes"] = os.path.getsize(gguf_path)

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raymoe.stages.files.loader import ModelFiles
+from raymoe.stages.families.contract import global_tensor_shapes
+from raymoe.stages.files.loader import ModelFiles, mtp_shapes
+from raymoe.stages.layers.cache import KVCache
 
 RUNTIME_BYTES = 768 << 20     # interpreter, torch, the kernels' buffers and one step's activations
 GiB = 1 << 30
@@ -38,13 +40,29 @@ def _tensor_bytes(model: ModelFiles, name: str, shape: tuple, mode: str) -> int:
     return model.source.stored_bytes(name, shape)
 
 
-def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512) -> StageNeed:
-    """chunk: the most tokens of one sequence a step holds (min of --prefill-chunk, --max-batch-tokens)."""
+def stage_need(model: ModelFiles, layers: range, mode: str, chunk: int = 512,
+               mtp: ModelFiles | None = None) -> StageNeed:
+    """chunk: the most tokens of one sequence a step holds (min of --prefill-chunk, --max-batch-tokens). mtp: the
+    files of the MTP head the last stage runs (stages/runtime/mtp.py), with the embedding it then holds too."""
     first, last = layers.start == 0, layers.stop == model.n_layers
     shapes = model.expected_shapes(layers, first, last)
     weights = sum(_tensor_bytes(model, name, shape, mode) for name, shape in shapes.items())
     caches = sum(model.family.layer_cache_bytes(model.config, i, chunk=chunk) for i in layers)   # a full context each
+    if mtp is not None and last:
+        weights += sum(_tensor_bytes(mtp, name, shape, mode) for name, shape in mtp_shapes(mtp).items())
+        if "token_embd.weight" not in shapes:
+            weights += _tensor_bytes(model, "token_embd.weight",
+                                     global_tensor_shapes(model.config)["token_embd.weight"], mode)
+        caches += mtp_cache_bytes(model, chunk=chunk)
     return StageNeed(layers, weights, caches)
+
+
+def mtp_cache_bytes(model: ModelFiles, length: int | None = None, chunk: int = 512) -> int:
+    """One sequence's cache of the MTP head (a full-attention layer's): for a full context, or for a sequence never
+    longer than `length`."""
+    cfg = model.config
+    positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
+    return model.family.mtp_mixer(cfg).cache_bytes(positions, chunk)
 
 
 def prefix_block_bytes(model: ModelFiles, layers: range, block: int) -> tuple[int, int]:
@@ -71,14 +89,19 @@ class CacheBudget:
     rather than a full context. The engine admits a sequence only while every stage has room for it,
     so a stage never holds more cache than its placement reserved (cluster.engine.plan_memory)."""
 
-    def __init__(self, model: ModelFiles, ranges: list[range], budget: list[int], chunk: int = 512):
-        self.model, self.ranges, self.chunk = model, ranges, chunk
+    def __init__(self, model: ModelFiles, ranges: list[range], budget: list[int], chunk: int = 512,
+                 mtp: bool = False):
+        """mtp: the last stage runs the model's MTP head (a cache of its own per sequence)."""
+        self.model, self.ranges, self.chunk, self.mtp = model, ranges, chunk, mtp
         self.budget, self.used = list(budget), [0] * len(budget)
 
     def need(self, length: int) -> tuple[int, ...]:
         """Bytes per stage for a sequence that never holds more than `length` positions."""
         family, cfg = self.model.family, self.model.config
-        return tuple(sum(family.layer_cache_bytes(cfg, i, length, self.chunk) for i in r) for r in self.ranges)
+        need = [sum(family.layer_cache_bytes(cfg, i, length, self.chunk) for i in r) for r in self.ranges]
+        if self.mtp:
+            need[-1] += mtp_cache_bytes(self.model, length, self.chunk)
+        return tuple(need)
 
     def fits(self, need: tuple[int, ...]) -> bool:
         return all(u + n <= b for u, n, b in zip(self.used, need, self.budget))

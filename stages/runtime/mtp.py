@@ -8,7 +8,7 @@ a KV cache of its own per sequence, one row per position of the sequence.
 
 Every step the last stage runs the head over the rows it computed that are real (a prompt chunk's, a decode
 row's, a verify chunk's kept ones), each paired with the token after it (the next row's token, or the one just
-sampled), so that its cache follows the sequence. Where the coordinator asks for k drafts (`ChunkSampling.mtp`),
+sampled), so that its cache follows the sequence; a decode row that asks for no drafts is left out. Where the coordinator asks for k drafts (`ChunkSampling.mtp`),
 the row of the token just sampled gives the first draft (the argmax of its logits), and the head runs k - 1 more
 rows on its own output, each from the draft before; then those rows leave its cache again. The embedding and the
 LM head are the model's: on a last stage that does not embed, the stage loads the embedding too.
@@ -87,7 +87,10 @@ class MtpHead:
             state = self.states.setdefault(sid, MtpState(self.block.new_cache()))
             chunk = None if tokens is None else tokens[rows]
             n = rows.stop - rows.start
-            if isinstance(result, str):         # its sampling failed: the sequence ends
+            # its sampling failed (the sequence ends), or a decode row that asks for no drafts: its row is left out
+            # (the head attends over fewer positions when the sequence drafts again), so that a sequence whose drafts
+            # do not pay costs the head nothing
+            if isinstance(result, str) or not (c.mtp or n > 1):
                 continue
             if isinstance(result[0], list):     # a verify chunk: the drafts kept, then the model's token
                 nexts = result[0]

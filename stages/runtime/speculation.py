@@ -207,7 +207,10 @@ class Speculation:
         if room < 1:
             return 0
         k = self.length(state.acceptance, rows, room)
-        return k if k or state.idle + 1 < PROBE_EVERY else 1
+        k = k if k or state.idle + 1 < PROBE_EVERY else 1
+        if k:       # its next step waits for these drafts: none is sent ahead of them (may_follow)
+            state.quiet = False
+        return k
 
     def proposed(self, seq, drafts: list[int]):
         """The MTP head's drafts after the sequence's last token (a chunk's result brought them)."""

@@ -1,7 +1,8 @@
-"""Speculative decoding through the cluster: greedy outputs with n-gram drafts are those of the in-process engine
-without them at PP=1 (steps chained and merged), PP=2 over the object store with expert actors, and PP=4 over shared
-memory (the chained ring); a Serve app reports the drafts per request (usage) and in /metrics, and answers as without
-them. Both families at 1, 2 and 4 stages in process: tests/stages/test_speculation.py."""
+"""Speculative decoding through the cluster: greedy outputs with n-gram drafts, and with the embedded model's MTP head,
+are those of the in-process engine without them at PP=1 (steps chained and merged), PP=2 over the object store with
+expert actors, and PP=4 over shared memory (the chained ring); a Serve app reports the drafts per request (usage) and
+in /metrics, and answers as without them. Both families at 1, 2 and 4 stages in process:
+tests/stages/test_speculation.py and tests/stages/test_mtp.py."""
 import openai
 import pytest
 
@@ -15,6 +16,7 @@ from serve_util import get_text, serve_apps
 pytestmark = pytest.mark.cluster
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 PROMPTS = ["1 2 3 1 2 3 1 2 3 1 2", "the cat sat on the mat and the cat sat on the", "hello world", "a b a b a b a"]
 
 
@@ -29,11 +31,12 @@ def reference(model_name: str) -> dict:
     return out
 
 
-def test_greedy_outputs_with_drafts_through_every_pipeline_shape():
+@pytest.mark.parametrize("speculative", [NGRAM, MTP], ids=["ngram", "mtp"])
+def test_greedy_outputs_with_drafts_through_every_pipeline_shape(speculative):
     model = "tiny-qwen35moe"
     want = reference(model)
     for shape in ({"pp": 1}, {"pp": 2, "transport": "object_store", "ep": 1}, {"pp": 4, "transport": "shm"}):
-        engine = ClusterEngine(EngineArgs(model, dtype="float32", speculative_config=NGRAM, **shape))
+        engine = ClusterEngine(EngineArgs(model, dtype="float32", speculative_config=speculative, **shape))
         try:
             lines = [(f"r{i}", {"prompt": text, "temperature": 0, "max_tokens": 48, "ignore_eos": True})
                      for i, text in enumerate(PROMPTS)]
