@@ -127,11 +127,6 @@ def draw(probs: torch.Tensor, u: float) -> int:
     return token if token < len(cdf) else int(probs.nonzero()[-1])
 
 
-def accept_seed(seed: int) -> int:
-    """The seed of the draws that accept or reject drafts (speculative decoding), apart from the tokens' own."""
-    return choice_seed(seed, 1 << 32)
-
-
 @dataclass
 class ChunkSampling:
     """What the last stage does with one chunk's logits (Sequence.sampling builds it). `targets` are the
@@ -213,33 +208,22 @@ def _sample_chunk(logits: torch.Tensor, c: ChunkSampling, allowed=None) -> tuple
 
 def verify_chunk(logits: torch.Tensor, c: ChunkSampling) -> tuple:
     """A verify chunk's result: ([the drafts kept, then the model's own token], their logprob entries or None, []).
-    Row j of its logits (from the tip) predicts the token after draft j (the tip's token for j = 0). Greedy keeps a
-    draft while it is the row's argmax, then takes the argmax: the tokens decoding without drafts gives. Sampling
-    keeps draft d with probability P(d), the row's distribution, and where it does not, draws from P without d:
-    each token is then drawn from P, as without drafts (speculative rejection sampling, with a drafter that
-    proposes one token for sure). The draws are functions of (seed, position), those that accept of their own
-    stream. Its parameters have no history (no penalty or grammar: such sequences do not draft)."""
+    Row j of its logits (from the tip) predicts the token after draft j (the tip's token for j = 0). Each row's token
+    is the sequence's own draw at that position (sample_token: the argmax when greedy, else the token where
+    uniform(seed, position) falls in the row's distribution P), and a draft is kept while it is that token. The rows
+    have the decode steps' bits, so the tokens are those decoding without drafts gives, sampled ones included: a
+    seeded request's output does not change. A sampled draft d is kept with probability P(d), as speculative
+    rejection sampling keeps a draft proposed for sure, and every token is drawn from P. Its parameters have no
+    history (no penalty or grammar: such sequences do not draft)."""
     p, drafts = c.params, c.drafts
     tokens, entries = [], [] if p.logprobs is not None else None
     for j in range(len(drafts) + 1):
         row = logits[c.tip + j]
         adjusted = adjust_logits(row, p) if p.adjusts_logits else row
-        draft, position = (drafts[j] if j < len(drafts) else None), c.position + j
-        if p.temperature < MIN_TEMPERATURE:
-            token = int(torch.argmax(adjusted))
-        else:
-            probs = token_probs(adjusted, p)
-            # P(d): top-p leaves probs unnormalised
-            if draft is not None and uniform(accept_seed(c.seed), position) < float(probs[draft] / probs.sum()):
-                token = draft
-            else:
-                if draft is not None:
-                    probs = probs.clone()
-                    probs[draft] = 0
-                token = draw(probs, uniform(c.seed, position))
+        token = sample_token(adjusted, p, c.seed, c.position + j)
         tokens.append(token)
         if entries is not None:
             entries.append(logprob_entry(torch.log_softmax(row, -1), token, p.logprobs))
-        if token != draft:
+        if j == len(drafts) or token != drafts[j]:
             break
     return tokens, entries, []
