@@ -136,6 +136,8 @@ class Family(Generic[C]):
         """The tensors of its MTP head, the block after the layers (`blk.{n_layers}.`), as llama.cpp names them:
         the layer's own (full attention and the feed-forward) and `nextn.*`: `eh_proj` joins the normed token
         embedding and hidden state, `enorm`/`hnorm` norm them, `shared_head_norm` is the norm before the LM head."""
+        if self.mtp_mixer is None:
+            raise ModelFormatError(f"{self.arch} models have no MTP head")
         i, h = cfg.n_layers, cfg.hidden
         p = f"blk.{i}."
         return {**Block.norm_shapes(i, h), **self.mtp_mixer(cfg).tensor_shapes(p, h),

@@ -62,7 +62,8 @@ def mtp_cache_bytes(model: ModelFiles, length: int | None = None, chunk: int = 5
     longer than `length`."""
     cfg = model.config
     positions = cfg.context_length if length is None else KVCache.capacity_bound(length, cfg.context_length)
-    return model.family.mtp_mixer(cfg).cache_bytes(positions, chunk)
+    mixer = model.family.mtp_mixer
+    return 0 if mixer is None else mixer(cfg).cache_bytes(positions, chunk)
 
 
 def prefix_block_bytes(model: ModelFiles, layers: range, block: int) -> tuple[int, int]:
