@@ -21,7 +21,7 @@ from raymoe.stages.files.loader import open_model
 from raymoe.stages.layers.moe import MoESpec
 from raymoe.stages.runtime.engine import split_layers
 from raymoe.stages.runtime.memory import GiB, prefix_shares, stage_need
-from raymoe.stages.runtime.stage import Stage, StageWeights
+from raymoe.stages.runtime.stage import Stage, StageWeights, check_device
 
 from .chain import ChainLink
 from .shm import SLOTS, Ring, unlink
@@ -31,14 +31,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def check_gpu_memory(need: int, layers: range, max_running: int):
-    """Before a GPU stage reads a weight: its weights and caches against the device's free memory."""
-    free, _ = torch.cuda.mem_get_info()
-    if need > free:
+def check_gpu_memory(need: int, layers: range, max_running: int, share: float = 1.0):
+    """Before a GPU stage reads a weight: its weights and caches against the device's free memory, and against its
+    share of the device where actors share it (they check at once, before any of them has loaded)."""
+    free, total = torch.cuda.mem_get_info()
+    room = min(free, int(share * total))
+    if need > room:
+        shared = f" of the {share:g} of it this stage shares" if share < 1 else ""
         raise RaymoeError(f"layers {layers.start}-{layers.stop - 1} need {need / 2**30:.1f} GiB on their GPU "
                           f"(weights, caches for --max-running {max_running} and its share of the prefix cache), and "
-                          f"it has {free / 2**30:.1f} GiB free; use more stages (--pp), a lower --max-running, "
-                          "--max-model-len or --prefix-cache-gb")
+                          f"it has {room / 2**30:.1f} GiB free{shared}; use more stages (--pp) or GPUs, a lower "
+                          "--max-running, --max-model-len or --prefix-cache-gb")
 
 
 class ExpertClient:
@@ -120,7 +123,12 @@ class StageActor:
                                           int((args.prefix_cache_gb or 0) * GiB))[ranges.index(self.layers)]
         total = need.weight_bytes
         if args.device == "cuda":
-            check_gpu_memory(need.total(args.max_running), self.layers, args.max_running)
+            try:        # this process's GPU, before anything asks it for memory
+                check_device(args.device, args.dtype)
+            except ValueError as e:
+                raise RaymoeError(f"layers {self.layers.start}-{self.layers.stop - 1}: {e}") from None
+            share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)    # < 1: a shared GPU
+            check_gpu_memory(need.total(args.max_running), self.layers, args.max_running, min(share, 1.0))
         self.loaded = (0, total)
         remote = ExpertClient(self.expert_actors) if self.expert_actors else None
         self.stage = Stage(model, self.layers, args.dtype, remote_experts=remote, device=args.device,

@@ -28,7 +28,7 @@ from . import watchdog
 from .coordinator import MAX_RESTARTS, RESTART_WINDOW, Coordinator
 from .coordinator import QueueFullError  # noqa: F401  (part of this API)
 from .engine_args import EngineArgs
-from .pipeline import COORDINATOR_NAMESPACE, PIPELINE_PREFIX, PipelineSpec, coordinator_name, remove_group
+from .pipeline import COORDINATOR_NAMESPACE, PIPELINE_PREFIX, PipelineSpec, coordinator_name, gpu_share, remove_group
 
 
 _connected_here = False
@@ -81,14 +81,20 @@ GPU_PREFIX_GB = 1.0      # the default on GPUs, whose memory Ray does not know (
 OBJECT_STORE_BYTES = 2 << 30    # a local cluster's object store: activations and logits, not weights
 
 
-def check_gpus(args: EngineArgs):
-    """--device cuda: one GPU per stage and expert actor, among the GPUs Ray knows; else one line, at once."""
+def check_gpus(args: EngineArgs) -> float:
+    """--device cuda: the part of a GPU each stage and expert actor gets among the GPUs Ray knows (a whole one each
+    where there are enough, else an equal share: cluster.pipeline.gpu_share); one line, at once, where there is none
+    or the transport cannot run on a shared GPU."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actors = args.pp * (1 + args.ep)
-    if gpus < actors:
-        raise RaymoeError(f"--device cuda needs one GPU per actor ({actors} for --pp {args.pp}"
-                          + (f" --ep {args.ep}" if args.ep else "") + f"), and the Ray cluster has {gpus}; "
-                          "use --device cpu, fewer stages, or a cluster with more GPUs")
+    if gpus < 1:
+        raise RaymoeError("--device cuda: the Ray cluster has no GPU; use --device cpu or a cluster with GPUs")
+    share = gpu_share(actors, gpus)
+    if share < 1 and args.transport == "nccl":
+        raise RaymoeError(f"--transport nccl: the {actors} actors share {gpus} GPU(s), and NCCL cannot pair two ranks "
+                          f"on one device (it refuses a communicator whose ranks share a GPU); use --transport "
+                          f"object_store, or a GPU per actor")
+    return share
 
 
 def plan_memory(files, spec: PipelineSpec):
@@ -192,7 +198,7 @@ def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineS
     spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=name)
     connect_ray(args.pp * (1 + args.ep))
     if args.device == "cuda":
-        check_gpus(args)
+        spec.gpu_share = check_gpus(args)
     plan_memory(files, spec)
     return spec
 

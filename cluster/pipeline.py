@@ -52,10 +52,19 @@ class PipelineSpec:
     name: str | None = None                  # stage actors are named NAME-stageI (progress bars find them)
     stage_memory: list[int] | None = None   # bytes each stage's bundle asks Ray for (stages/runtime/memory.py)
     cache_budget: list[int] | None = None   # of which bytes of cache for running sequences (admission by memory)
+    gpu_share: float = 1.0                  # --device cuda: the part of a GPU each actor asks for (gpu_share)
 
     def ranges(self) -> list[range]:
         """Each stage's layers."""
         return split_layers(self.n_layers, self.args.pp, self.args.split)
+
+
+def gpu_share(actors: int, gpus: int) -> float:
+    """The part of a GPU each of a pipeline's `actors` (stages and expert actors) asks Ray for on a cluster of `gpus`
+    GPUs: a whole one each where there are enough, else an equal part, so that as many actors share each GPU (Ray
+    places fractional GPUs of one size on one device): PP=2 on one GPU is two stages of half a GPU each, which
+    compute in turn on it."""
+    return 1.0 if gpus >= actors else 1.0 / -(-actors // gpus)
 
 
 def group_name(pipeline: str | None) -> str:
@@ -103,7 +112,8 @@ class Pipeline:
         args = self.args = spec.args      # validated by the caller (ClusterEngine, deploy.perplexity)
         self.spec = spec
         self.ranges = spec.ranges()
-        resource = {"GPU": 1} if args.device == "cuda" else {"CPU": 1}
+        # a GPU actor is a process too: a CPU beside its GPU (or share of one)
+        resource = {"CPU": 1, "GPU": spec.gpu_share} if args.device == "cuda" else {"CPU": 1}
         memory = spec.stage_memory or [0] * args.pp
         # stage bundles first (the stage's whole need: its experts' actors are small beside it), then experts
         bundles = [{**resource, **({"memory": m} if m else {})} for m in memory] + [resource] * (args.pp * args.ep)
@@ -164,11 +174,9 @@ class Pipeline:
     def _options(self, bundle: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
         env = process_env(self.args.threads, self.args.dtype)
-        opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}}
+        opts = {"scheduling_strategy": strategy, "max_concurrency": 1, "runtime_env": {"env_vars": env}, "num_cpus": 1}
         if self.args.device == "cuda":
-            opts["num_gpus"] = 1
-        else:
-            opts["num_cpus"] = 1
+            opts["num_gpus"] = self.spec.gpu_share
         return opts
 
     def _start_stage(self, i: int, name: str | None = None):

@@ -8,6 +8,7 @@ import pytest
 
 from raymoe.cluster.engine_args import EngineArgs
 from raymoe.cluster.engine_args import TRANSPORTS
+from raymoe.cluster.pipeline import gpu_share
 from raymoe.deploy import generate, perplexity, serve
 from raymoe.kernels.threads import PARALLEL_MIN_BYTES, share_of_cores
 from raymoe.stages.errors import RaymoeError
@@ -125,14 +126,36 @@ def test_a_bad_flag_ends_the_job_with_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+def cuda_pipeline(gpus: int, **args) -> str:
+    """What ClusterEngine(EngineArgs(MODEL, device='cuda', **args)) says on a fresh Ray cluster of `gpus` GPUs (Ray's
+    resources only: this machine has none, so a stage that gets as far as loading fails to find CUDA)."""
+    code = ("import ray, sys; from raymoe.cluster.engine import ClusterEngine, EngineArgs\n"
+            "from raymoe.stages.errors import RaymoeError\n"
+            f"ray.init(address='local', num_cpus=4, num_gpus={gpus}, include_dashboard=False, logging_level='ERROR')\n"
+            f"try:\n    ClusterEngine(EngineArgs(sys.argv[1], device='cuda', placement_timeout=30, **{args!r}))\n"
+            "except RaymoeError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, MODEL], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return proc.stdout.strip() + ("" if proc.stdout.strip() else proc.stderr[-2000:])
+
+
 @pytest.mark.cluster
 def test_device_cuda_on_a_cluster_without_gpus_is_refused_at_once():
     """One line naming the need and what Ray has, before any actor starts or any weight is read."""
-    code = ("import ray, sys; from raymoe.cluster.engine import ClusterEngine, EngineArgs\n"
-            "from raymoe.stages.errors import RaymoeError\n"
-            "ray.init(address='local', num_cpus=2, num_gpus=0, include_dashboard=False, logging_level='ERROR')\n"
-            "try:\n    ClusterEngine(EngineArgs(sys.argv[1], pp=2, device='cuda'))\nexcept RaymoeError as e:\n"
-            "    print(e)\n")
-    proc = subprocess.run([sys.executable, "-c", code, MODEL], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.strip() == ("--device cuda needs one GPU per actor (2 for --pp 2), and the Ray cluster has 0; "
-                                   "use --device cpu, fewer stages, or a cluster with more GPUs"), proc.stdout + proc.stderr
+    assert cuda_pipeline(0, pp=2) == "--device cuda: the Ray cluster has no GPU; use --device cpu or a cluster with GPUs"
+
+
+@pytest.mark.cluster
+def test_stages_share_a_gpu_when_there_are_fewer_gpus_than_actors():
+    """PP=2 on one GPU: two stage actors of half a GPU each are placed together (with a whole GPU each, Ray would
+    find no room and say so after the placement timeout); here they then find no CUDA device, which is the first
+    thing a stage checks. NCCL cannot pair two ranks on one GPU: that transport is refused at once."""
+    out = cuda_pipeline(1, pp=2, transport="object_store")
+    assert "no CUDA device is visible" in out and "no room" not in out, out
+    assert cuda_pipeline(1, pp=2, transport="nccl").startswith(
+        "--transport nccl: the 2 actors share 1 GPU(s), and NCCL cannot pair two ranks on one device")
+
+
+def test_gpu_shares():
+    assert gpu_share(2, 2) == gpu_share(1, 1) == gpu_share(2, 4) == 1.0
+    assert gpu_share(2, 1) == 0.5 and gpu_share(3, 1) == 1 / 3
+    assert gpu_share(8, 2) == 0.25 and gpu_share(5, 2) == 1 / 3     # ceil(5 / 2) actors on a GPU
