@@ -5,6 +5,8 @@ outputs()   both embedded models on --device cuda against the CPU (float32 mode 
             tokens, their logprobs within LOGPROB_BOUND; and the GPU at PP=2 and PP=4 (stages in one
             process, on one device) must give the GPU's PP=1 results exactly.
 graphs()    decode steps replayed as CUDA graphs against eager steps (stages/runtime/decode_graph.py).
+through_ray()  the embedded qwen35moe through Ray (`--device cuda`): PP=1, and PP=2 with both stage actors on one GPU
+            where there is one (half a GPU each), must give the in-process GPU's tokens; tok/s of both.
 decode()    a full-size synthetic file (tools.make_synthetic) on the GPU: load time, batch-1 decode
             tok/s eager and with CUDA graphs, and the weight bytes it reads per second against the
             device's peak (the roofline: bytes read per token / bandwidth), where a step's time goes, and
@@ -94,6 +96,37 @@ def outputs() -> int:
             same = _generate(files, "cuda", n_stages) == gpu
             failures += not same
             print(f"  {'pass' if same else 'FAIL'}  {name}: GPU PP={n_stages} = GPU PP=1 exactly", flush=True)
+    return failures
+
+
+def through_ray() -> int:
+    from raymoe.cluster.engine import ClusterEngine, EngineArgs, disconnect_ray
+
+    failures, name = 0, "tiny-qwen35moe"
+    files = open_model(name)
+    start = time.perf_counter()
+    want = [r["token_ids"] for r in _generate(files, "cuda")]
+    local_s = time.perf_counter() - start
+    lines = [(str(i), {"prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+             for i, p in enumerate(PROMPTS)]
+    for pp in (1, 2):
+        engine = ClusterEngine(EngineArgs(name, device="cuda", dtype="float32", pp=pp))
+        try:
+            start, got = time.perf_counter(), {}
+            engine.submit_many(lines)
+            while len(got) < len(lines):
+                for _, result in engine.wait_finished(timeout=5):
+                    got[result["id"]] = result
+            ray_s = time.perf_counter() - start
+        finally:
+            engine.shutdown()
+        tokens = [got[str(i)].get("token_ids") for i in range(len(lines))]
+        same = tokens == want
+        failures += not same
+        print(f"  {'pass' if same else 'FAIL'}  {name} through Ray on the GPU, PP={pp}: the in-process GPU's tokens "
+              f"({32 * len(lines) / ray_s:.0f} tok/s after start-up; in process {32 * len(lines) / local_s:.0f})",
+              flush=True)
+    disconnect_ray()
     return failures
 
 

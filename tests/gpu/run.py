@@ -10,12 +10,13 @@
    models' expert shapes and a few one-row tile choices: time per call and the weight bytes read per
    second, against the device's peak bandwidth when it is known.
 3. Models (tests/gpu/model_checks.py): both embedded models on the GPU against the CPU, and PP=2/4 on the GPU
-   against PP=1; decode steps replayed as CUDA graphs against eager ones; PP=2 with the second stage in
+   against PP=1; the same through Ray (PP=1, and PP=2 sharing the GPU); decode steps replayed as CUDA graphs
+   against eager ones; PP=2 with the second stage in
    another process, activations through CUDA IPC (tools/cuda_ipc.py); then full-size synthetic files
    (tools.make_synthetic, written to --folder): load time, batch-1 decode tok/s eager and with CUDA graphs
    against the HBM roofline, where a step's time goes, and the aggregate tok/s of 64 sequences.
 
-    --sections kernels,bandwidth,outputs,graphs,ipc,decode   (default: all; decode:MODEL for one model,
+    --sections kernels,bandwidth,outputs,ray,graphs,ipc,decode   (default: all; decode:MODEL for one model,
                                                              kernels:TEXT for the cases named with TEXT)
     --decode-models gpt-oss-20b,qwen3.5-35b-a3b
 
@@ -291,7 +292,7 @@ def main() -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel variant; no GPU needed")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     parser.add_argument("--record", help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default="kernels,bandwidth,outputs,graphs,ipc,decode")
+    parser.add_argument("--sections", default="kernels,bandwidth,outputs,ray,graphs,ipc,decode")
     parser.add_argument("--decode-models", default="gpt-oss-20b,qwen3.5-35b-a3b")
     parser.add_argument("--folder", default="/tmp", help="where the synthetic files are written (12-16 GB each)")
     args = parser.parse_args()
@@ -313,6 +314,7 @@ def main() -> int:
         "kernels": ("Triton kernels against the CPU kernels", check_kernels),
         "bandwidth": ("block products (timings: no check)", lambda: _timings(bandwidth)),
         "outputs": ("models on the GPU against the CPU", models.outputs),
+        "ray": ("through Ray on the GPU against the GPU in process", models.through_ray),
         "graphs": ("decode steps as CUDA graphs against eager steps", models.graphs),
         "ipc": ("PP=2 across processes through CUDA IPC", models.ipc),
         "decode": ("full-size synthetic models", lambda: sum(models.decode(m, peak, args.folder)
