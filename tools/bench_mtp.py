@@ -2,11 +2,17 @@
 
     python -m raymoe.tools.bench_mtp [--model tiny-qwen35moe] [--llama-speculative PATH] [--drafts 2] [--tokens 64]
 
+    python -m raymoe.tools.bench_mtp --full FILE     # a full-size file with a head (tools.make_synthetic --mtp)
+
 For each prompt it prints what raymoe's head drafted and kept with a fixed draft length (every step sends `--drafts`
 drafts, as llama.cpp's `--spec-draft-n-max` does), and, with `--llama-speculative` (the vendored llama.cpp's
 `llama-speculative-simple`, built with CMake from the llama-cpp-python sdist), what llama.cpp's head drafted and kept
 with `--spec-type draft-mtp`. Then raymoe's decode with the head at its defaults (the draft length it chooses), as a
 ratio to its decode without drafts in the same run, over `--repeat` rounds with their spread.
+
+With `--full`, a full-size file's batch-1 greedy decode in one process (one load): without drafts, with 1 to 3 of
+the head's drafts a step (a synthetic head: its drafts are wrong, so this is what drafting costs), and with the
+head running but its drafts replaced by the right tokens (what a head that is always right would give).
 """
 from __future__ import annotations
 
@@ -72,6 +78,56 @@ def decode_rate(files, prompts: list[str], tokens: int, speculative: str | None)
     return n / (time.perf_counter() - start), engine.speculation.load() if engine.speculation else None
 
 
+def full_size(path: str, tokens: int, repeat: int) -> dict:
+    """tok/s of each way of decoding a full-size file (module doc), every round in turn."""
+    from raymoe.kernels.threads import node_cores
+    from raymoe.stages.files.loader import open_model
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.runtime.speculation import SpeculativeConfig, Speculation
+    from raymoe.stages.text.sampling_params import SamplingParams
+    import torch
+
+    torch.set_num_threads(node_cores())
+    files = open_model(path)
+    engine = LocalEngine(files, speculation=SpeculativeConfig(method="mtp", num_speculative_tokens=3))
+    engine.eos_ids = set()
+    prompt = [(7 * i + 3) % 2000 for i in range(8)]
+
+    def decode(k: int | None, right: list[int] | None = None) -> tuple[float, list[int], dict | None]:
+        engine.use_speculation(None if k is None else SpeculativeConfig(method="mtp", num_speculative_tokens=k))
+        if k is not None:
+            engine.speculation.length = lambda acceptance, rows, most: most
+        if right is not None:
+            real = Speculation.proposed.__get__(engine.speculation)
+            engine.speculation.proposed = lambda seq, drafts: real(
+                seq, right[len(seq.output_ids):len(seq.output_ids) + len(drafts)])
+        engine.add_request("warm-up", prompt, SamplingParams(max_tokens=2, temperature=0))
+        engine.run_until_done()
+        seq = engine.add_request("r", prompt, SamplingParams(max_tokens=tokens, temperature=0))
+        start = time.perf_counter()         # the 8-token prompt's step is timed too, in every way alike
+        engine.run_until_done()
+        return tokens / (time.perf_counter() - start), seq.output_ids, \
+            engine.speculation.load() if engine.speculation else None
+
+    rounds = []
+    for _ in range(repeat):
+        plain, want, _ = decode(None)
+        row = {"plain": round(plain, 2)}
+        for k in (1, 2, 3):
+            rate, got, load = decode(k)
+            row[f"head_{k}"] = round(rate, 2)
+            row[f"head_{k}_accepted"] = load["accepted_tokens"]
+            assert got == want, "drafts changed the tokens"
+            rate, got, load = decode(k, right=want)
+            row[f"right_{k}"] = round(rate, 2)
+            assert got == want, "drafts changed the tokens"
+        rounds.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return {"file": path, "tokens": tokens, "rounds": rounds,
+            "over_plain_median": {key: round(statistics.median(r[key] / r["plain"] for r in rounds), 3)
+                                  for key in rounds[0] if key != "plain" and not key.endswith("accepted")}}
+
+
 def total(rows: list[dict]) -> dict:
     drafted, accepted = sum(r["draft_tokens"] for r in rows), sum(r["accepted_tokens"] for r in rows)
     return {"draft_tokens": drafted, "accepted_tokens": accepted,
@@ -86,7 +142,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--full", help="a full-size GGUF with an MTP head (tools.make_synthetic --mtp)")
     args = p.parse_args(argv)
+    if args.full:
+        print(json.dumps(full_size(args.full, args.tokens, args.repeat), indent=2))
+        return 0
 
     from raymoe.stages.files.loader import open_model
 

@@ -142,6 +142,8 @@ def tensor_plan(family: Family, cfg, qtype: Q | None = None, mix: str | None = N
     matrix, else the types of `mix`."""
     glob = global_tensor_shapes(cfg)
     layers = [(i, name, shape) for i in range(cfg.n_layers) for name, shape in family.layer_tensor_shapes(cfg, i).items()]
+    if getattr(cfg, "mtp_layers", 0):       # the MTP head: the block after the layers (stages/runtime/mtp.py)
+        layers += [(cfg.n_layers, name, shape) for name, shape in family.mtp_tensor_shapes(cfg).items()]
     named = [(-1, "token_embd.weight", glob["token_embd.weight"]), *layers,
              (-1, "output_norm.weight", glob["output_norm.weight"]), (-1, "output.weight", glob["output.weight"])]
     attn_v_index = {name: k for k, name in enumerate(n for _, n, _ in layers if n.endswith("attn_v.weight"))}
@@ -393,6 +395,8 @@ def main(argv=None) -> int:
     kind.add_argument("--mix", choices=MIXES,
                       help="llama.cpp-style mix (default: q3_k_m for the Qwens, mxfp4 for gpt-oss)")
     p.add_argument("--seed", type=_bounded_int(0), default=0)
+    p.add_argument("--mtp", action="store_true", help="with an MTP head after the layers (the Qwens), as llama.cpp "
+                                                      "writes it: blk.N.nextn.*, nextn_predict_layers 1")
     p.add_argument("--dry-run", action="store_true", help="print the file's size and types; write nothing")
     args = p.parse_args(argv)
 
@@ -412,11 +416,16 @@ def main(argv=None) -> int:
         p.error(f"--vocab {vocab}: the tokenizer has {tokenizer.vocab_size} tokens")
 
     cfg = spec.make_config(n_layers, vocab)
+    if args.mtp:
+        if spec.family.mtp_mixer is None:
+            p.error(f"--mtp: {args.model} has no MTP head")
+        cfg.mtp_layers = 1
     qtype = TYPES[args.type] if args.type else None
     mix = None if args.type else args.mix or spec.default_mix
     plan = tensor_plan(spec.family, cfg, qtype, mix)
     file_type = FILE_TYPES[qtype if qtype is not None else mix]
-    label = f"{args.model} {args.type or mix}, {n_layers} layers, vocab {vocab}, {len(plan)} tensors"
+    label = (f"{args.model} {args.type or mix}, {n_layers} layers{' and an MTP head' if args.mtp else ''}, "
+             f"vocab {vocab}, {len(plan)} tensors")
     if args.dry_run:
         size = planned_size(args.model, cfg, plan, tokenizer, file_type, args.seed)
         print(f"{label}: {size} bytes ({size / 1e9:.2f} GB)\n{_type_totals(plan)}")
