@@ -86,6 +86,36 @@ def test_cli_file_runs_at_full_width(model, tmp_path):
         path.unlink(missing_ok=True)
 
 
+def test_mtp_head_at_full_width(tmp_path):
+    """--mtp: the head after the layers as llama.cpp writes it, which raymoe loads and drafts with (the tokens as
+    without drafts); gpt-oss has none."""
+    from raymoe.stages.files.loader import open_model, open_mtp_head
+    from raymoe.stages.runtime.engine import LocalEngine
+    from raymoe.stages.runtime.speculation import SpeculativeConfig
+    from raymoe.stages.text.sampling_params import SamplingParams
+
+    path = tmp_path / "model.gguf"
+    try:
+        assert ms.main(["--model", QWEN, "--out", str(path), "--layers", "1", "--vocab", "1024", "--mtp"]) == 0
+        types = file_types(path)
+        assert "blk.1.nextn.eh_proj.weight" in types and types["blk.1.ffn_gate_exps.weight"][0] == Q.Q3_K
+        files = open_model(str(path))
+        assert files.n_layers == 1 and open_mtp_head(files) is files
+        outputs = []
+        for spec in (None, SpeculativeConfig(method="mtp", num_speculative_tokens=2)):
+            engine = LocalEngine(files, speculation=spec)
+            if spec:
+                engine.speculation.length = lambda acceptance, rows, most: most
+            seq = engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+            engine.run_until_done()
+            outputs.append(seq.output_ids)
+        assert outputs[0] == outputs[1] and seq.draft_tokens > 0
+    finally:
+        path.unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        ms.main(["--model", GPTOSS, "--out", str(tmp_path / "g.gguf"), "--mtp"])
+
+
 @pytest.mark.parametrize("kind", sorted(set(ms.TYPES) - {"f32", "f16", "bf16"}))
 @pytest.mark.parametrize("row", [512, 2048, 4096])
 def test_blocks_decode_to_unit_spread(kind, row):
