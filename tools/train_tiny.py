@@ -168,35 +168,42 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 # --- training ------------------------------------------------------------------------------------------
 
-def train(model, stream: torch.Tensor, steps: int, lr: float, log) -> None:
-    """AdamW on random windows of the stream (seeded), warmup then cosine decay to a tenth."""
-    g = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+def fit(params: list, loss_of, stream: torch.Tensor, steps: int, lr: float, seed: int, log, label: str = "") -> None:
+    """AdamW on `params` over random windows of the stream (seeded by `seed`), warmup then cosine decay to a tenth;
+    loss_of(ids [BATCH, SEQ_LEN]) is a window batch's loss."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup
         else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
-    model.train()
     start, cpu, avg = time.time(), time.process_time(), None
     for step in range(steps):
         offsets = torch.randint(0, len(stream) - SEQ_LEN - 1, (BATCH,), generator=g)
         ids = torch.stack([stream[o:o + SEQ_LEN] for o in offsets.tolist()])
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
         if step % 50 == 0 or step == steps - 1:
-            log(f"step {step}/{steps} loss {avg:.3f} ({time.time() - start:.0f} s, {time.process_time() - cpu:.0f} s CPU)")
+            log(f"{label}step {step}/{steps} loss {avg:.3f} ({time.time() - start:.0f} s, "
+                f"{time.process_time() - cpu:.0f} s CPU)")
+
+
+def train(model, stream: torch.Tensor, steps: int, lr: float, log) -> None:
+    """The model on next-token prediction (fit)."""
+    model.train()
+    fit(list(model.parameters()), lambda ids: model(input_ids=ids, labels=ids).loss, stream, steps, lr, SEED, log)
     model.eval()
 
 
 def train_mtp(model, stream: torch.Tensor, steps: int, lr: float, log):
     """The MTP head (tools/mtp_head.py) of the trained model, the model frozen: at each position it learns the token
-    after next from the model's final hidden state there and the next token's embedding. AdamW on seeded windows as
-    in train(). Returns the head."""
+    after next from the model's final hidden state there and the next token's embedding (fit, its own windows).
+    Returns the head."""
     from raymoe.tools.mtp_head import HFMtpHead, model_hidden
 
     torch.manual_seed(SEED)
@@ -204,32 +211,16 @@ def train_mtp(model, stream: torch.Tensor, steps: int, lr: float, log):
     head.apply(model._init_weights)         # transformers' own initialisation (expert weights start empty)
     for p in model.parameters():
         p.requires_grad_(False)
-    g = torch.Generator().manual_seed(SEED + 1)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup
-        else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
     positions = torch.arange(1, SEQ_LEN)[None].expand(BATCH, -1)
-    start, avg = time.time(), None
-    head.train()
-    for step in range(steps):
-        offsets = torch.randint(0, len(stream) - SEQ_LEN - 1, (BATCH,), generator=g)
-        ids = torch.stack([stream[o:o + SEQ_LEN] for o in offsets.tolist()])
+
+    def loss_of(ids):
         with torch.no_grad():
             hidden = model_hidden(model, ids)
         # row p joins the hidden state at p with token p + 1 and predicts token p + 2
-        states = head(ids[:, 1:], hidden[:, :-1], positions)
-        logits = head.logits(states[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 2:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"mtp step {step}/{steps} loss {avg:.3f} ({time.time() - start:.0f} s)")
+        logits = head.logits(head(ids[:, 1:], hidden[:, :-1], positions)[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 2:].reshape(-1))
+    head.train()
+    fit(list(head.parameters()), loss_of, stream, steps, lr, SEED + 1, log, "mtp ")
     head.eval()
     return head
 
