@@ -92,7 +92,8 @@ def main(argv=None) -> int:
               f"({drafts['acceptance_rate']:.0%}, {drafts['mean_accepted_length']:.2f} tokens a verify step; the draft "
               f"length falls to none where drafts cost more than they give, as on this tiny model)")
     same = [a.get("token_ids") for a in pp2] == [b.get("token_ids") for b in pp1]
-    print(f"PP=1{' without drafts' if drafts else ''} gave the same tokens: {'yes' if same else 'NO'}   (total {time.perf_counter() - start:.1f} s; "
+    print(f"PP=1{' without drafts' if drafts else ''} gave the same tokens: {'yes' if same else 'NO'}   "
+          f"(total {time.perf_counter() - start:.1f} s; "
           f"outputs in {args.output})")
     return 0 if same else 1
 

@@ -142,7 +142,7 @@ class Family(Generic[C]):
         p = f"blk.{i}."
         return {**Block.norm_shapes(i, h), **self.mtp_mixer(cfg).tensor_shapes(p, h),
                 **self.layer_ffn(cfg, i).tensor_shapes(p, h), p + "nextn.eh_proj.weight": (h, 2 * h),
-                p + "nextn.enorm.weight": (h,), p + "nextn.hnorm.weight": (h,), p + "nextn.shared_head_norm.weight": (h,)}
+                **{f"{p}nextn.{norm}.weight": (h,) for norm in ("enorm", "hnorm", "shared_head_norm")}}
 
     def layer_cache_bytes(self, cfg: C, i: int, length: int | None = None, chunk: int = 512) -> int:
         """The most one sequence's cache of layer i takes: for a full context, or for a sequence never longer

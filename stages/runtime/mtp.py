@@ -8,9 +8,10 @@ a KV cache of its own per sequence, one row per position of the sequence.
 
 Every step the last stage runs the head over the rows it computed that are real (a prompt chunk's, a decode
 row's, a verify chunk's kept ones), each paired with the token after it (the next row's token, or the one just
-sampled), so that its cache follows the sequence; a decode row that asks for no drafts is left out. Where the coordinator asks for k drafts (`ChunkSampling.mtp`),
-the row of the token just sampled gives the first draft (the argmax of its logits), and the head runs k - 1 more
-rows on its own output, each from the draft before; then those rows leave its cache again. The embedding and the
+sampled), so that its cache follows the sequence; a decode row that asks for no drafts is left out. Where the
+coordinator asks for k drafts (`ChunkSampling.mtp`), the row of the token just sampled gives the first draft (the
+argmax of its logits), and the head runs k - 1 more rows on its own output, each from the draft before; then those
+rows leave its cache again. The embedding and the
 LM head are the model's: on a last stage that does not embed, the stage loads the embedding too.
 """
 from __future__ import annotations
@@ -49,7 +50,8 @@ class MtpHead:
         self.norm = w(p + "nextn.shared_head_norm.weight") if p + "nextn.shared_head_norm.weight" in w.shapes \
             else out_norm
         mixer = family.mtp_mixer(cfg).build(w, p, cfg.rms_eps, family.rope(cfg), cfg.context_length)
-        self.block = Block(w, self.index, cfg.rms_eps, mixer, family.layer_ffn(cfg, self.index).build(w, self.index, None))
+        ffn = family.layer_ffn(cfg, self.index).build(w, self.index, None)     # its experts stay here
+        self.block = Block(w, self.index, cfg.rms_eps, mixer, ffn)
         self.embed, self.head = embed, head
         self.states: dict[int, MtpState] = {}
 
