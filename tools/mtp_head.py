@@ -5,7 +5,7 @@ The head predicts the token after next: at position p it joins the model's final
 last norm) with the embedding of token p + 1, `fc(cat(norm(embedding), norm(hidden)))`, runs one full-attention
 + MoE decoder layer over those rows (causal, over the positions it has seen) and its own norm, and the model's LM
 head gives logits for token p + 2. `tools/train_tiny.py` trains the embedded model's head with it; the tests
-take it as the reference of raymoe's head (stages/layers/mtp.py).
+take it as the reference of raymoe's head (stages/runtime/mtp.py).
 """
 from __future__ import annotations
 

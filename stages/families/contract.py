@@ -123,7 +123,7 @@ class Family(Generic[C]):
     rope: Callable[[C], tuple[torch.Tensor, float]]
     # (config, layer) -> its feed-forward: routed experts (MoESpec) or dense (DenseFFNSpec)
     layer_ffn: Callable[[C, int], FFNSpec]
-    # config -> the attention of its multi-token prediction head (stages/layers/mtp.py); None: it has none
+    # config -> the attention of its multi-token prediction head (stages/runtime/mtp.py); None: it has none
     mtp_mixer: Callable[[C], MixerSpec] | None = None
 
     def layer_tensor_shapes(self, cfg: C, i: int) -> dict:

@@ -29,7 +29,7 @@ TOKENIZER_PRE = "qwen35"
 class Qwen35MoeConfig(DeltaNetConfig):
     rope_sections: list
     arch: str = ARCH
-    mtp_layers: int = 0         # multi-token prediction heads after the layers (stages/layers/mtp.py)
+    mtp_layers: int = 0         # multi-token prediction heads after the layers (stages/runtime/mtp.py)
 
 
 def config_from_gguf(meta: dict, where: str) -> Qwen35MoeConfig:

@@ -42,7 +42,7 @@ class Qwen3NextConfig(DeltaNetConfig):
     arch: str = ARCH
     dense_layers: tuple[int, ...] = ()     # the layers with a dense feed-forward instead of experts
     dense_ff: int = 0                       # its inner width
-    mtp_layers: int = 0                     # multi-token prediction heads after the layers (stages/layers/mtp.py)
+    mtp_layers: int = 0                     # multi-token prediction heads after the layers (stages/runtime/mtp.py)
 
     POSITIVE = DeltaNetConfig.POSITIVE + ("shared_ff",)
 

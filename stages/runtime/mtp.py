@@ -11,8 +11,8 @@ row's, a verify chunk's kept ones), each paired with the token after it (the nex
 sampled), so that its cache follows the sequence; a decode row that asks for no drafts is left out. Where the
 coordinator asks for k drafts (`ChunkSampling.mtp`), the row of the token just sampled gives the first draft (the
 argmax of its logits), and the head runs k - 1 more rows on its own output, each from the draft before; then those
-rows leave its cache again. The embedding and the
-LM head are the model's: on a last stage that does not embed, the stage loads the embedding too.
+rows leave its cache again. The embedding and the LM head are the model's: on a last stage that does not embed, the
+stage loads the embedding too.
 """
 from __future__ import annotations
 
