@@ -73,12 +73,13 @@ class Coordinator:
         self.core = EngineCore(model.config, model.tokenizer, args.microbatches, args.max_batch_tokens,
                                args.prefill_chunk, args.max_running,
                                args.itl_target_ms / 1000 if args.itl_target_ms else None)
-        if spec.cache_budget is not None:
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        if spec.cache_budget is not None:     # the last stage's MTP head (checked by cluster.engine.pipeline_spec)
             self.core.cache_budget = CacheBudget(model, spec.ranges(), spec.cache_budget, args.step_chunk,
-                                                 mtp=args.mtp_head(model) is not None)
+                                                 mtp=speculative is not None and speculative.method == "mtp")
         # its size as planned (cluster.engine.plan_memory), over all stages: the same decisions at any --pp
         self.core.use_prefix_cache(model, int((args.prefix_cache_gb or 0) * GiB), args.dtype)
-        self.core.use_speculation(SpeculativeConfig.parse(args.speculative_config))
+        self.core.use_speculation(speculative)
         # a request's sampling values over the job's (deploy.generate flags) over the model's over the built-in ones
         self.model_defaults = SamplingParams.from_dict(model.sampling_defaults)
         self.spec = spec

@@ -97,7 +97,7 @@ def check_gpus(args: EngineArgs) -> float:
     return share
 
 
-def plan_memory(files, spec: PipelineSpec):
+def plan_memory(files, spec: PipelineSpec, mtp=None):
     """Before any weight is read: each stage's need against the memory Ray's nodes have. Sets the
     bundles' `memory`, the stages' cache budget and, in spec.args.max_running, how many sequences may run
     at once (see stages/runtime/memory.py), and in spec.args.prefix_cache_gb the prefix cache's size (without the flag:
@@ -105,14 +105,14 @@ def plan_memory(files, spec: PipelineSpec):
     without --max-running, when fewer than DEFAULT_MAX_RUNNING full contexts fit, up to DEFAULT_MAX_RUNNING
     sequences still run as long as their own bounds (prompt + max_tokens) fit the same reservation
     (admission by memory). GPU stages hold weights and caches on the device (Ray does not know its memory:
-    each stage checks it before loading, StageActor.load); their host memory is a tensor's read buffer."""
+    each stage checks it before loading, StageActor.load); their host memory is a tensor's read buffer. mtp: the files
+    of the MTP head the last stage runs (EngineArgs.mtp_head), or None."""
     args = spec.args
     if args.device == "cuda":
         prefix = GPU_PREFIX_GB if args.prefix_cache_gb is None else args.prefix_cache_gb
         spec.args = dataclasses.replace(args, max_running=args.max_running or DEFAULT_MAX_RUNNING,
                                         prefix_cache_gb=prefix)
         return
-    mtp = args.mtp_head(files)
     needs = [stage_need(files, r, args.dtype, args.step_chunk, mtp) for r in spec.ranges()]
     nodes = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")] or [0]
 
@@ -194,12 +194,12 @@ def pipeline_spec(args: EngineArgs, files, name: str | None = None) -> PipelineS
     the Ray cluster (joined, or started here), GPUs counted, memory planned (plan_memory)."""
     args.validate(files.n_layers, files.config.n_expert)
     files.check_tensors()
-    args.mtp_head(files)        # a model without the head the flags ask for fails here
+    mtp = args.mtp_head(files)      # a model without the head the flags ask for fails here
     spec = PipelineSpec(args, files.n_layers, files.config.n_expert, name=name)
     connect_ray(args.pp * (1 + args.ep))
     if args.device == "cuda":
         spec.gpu_share = check_gpus(args)
-    plan_memory(files, spec)
+    plan_memory(files, spec, mtp)
     return spec
 
 
