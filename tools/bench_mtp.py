@@ -34,11 +34,11 @@ def raymoe_fixed(files, prompts: list[str], drafts: int, tokens: int) -> list[di
     from raymoe.stages.runtime.speculation import SpeculativeConfig, speculation_load
     from raymoe.stages.text.sampling_params import SamplingParams
 
+    engine = LocalEngine(files, mode="float32",
+                         speculation=SpeculativeConfig(method="mtp", num_speculative_tokens=drafts))
+    engine.speculation.length = lambda acceptance, rows, most: most
     out = []
-    for prompt in prompts:
-        engine = LocalEngine(files, mode="float32",
-                             speculation=SpeculativeConfig(method="mtp", num_speculative_tokens=drafts))
-        engine.speculation.length = lambda acceptance, rows, most: most
+    for prompt in prompts:      # one after another: batch 1
         seq = engine.add_request(prompt, files.tokenizer.encode(prompt),
                                  SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         engine.run_until_done()
